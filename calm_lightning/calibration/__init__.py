@@ -1,0 +1,1 @@
+"""Calibration metrics and post-hoc calibrators."""

@@ -1,0 +1,1 @@
+"""Hydra config tree (a package so Hydra finds it when installed)."""

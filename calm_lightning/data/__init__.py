@@ -1,0 +1,1 @@
+"""Datasets, prompt formatting and collation; one module per dataset family."""

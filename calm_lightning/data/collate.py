@@ -1,0 +1,110 @@
+"""Batch collation: left-padded MCQA prompts for scoring, right-padded instruction examples with
+response-only labels for training. Padding is per batch, never to a global maximum."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from calm_lightning.data.prompts import (
+    instruction_user_text,
+    mcqa_user_text,
+    render_conversation,
+    render_prompt,
+)
+from calm_lightning.data.records import InstructionRecord, MCQARecord
+
+log = logging.getLogger(__name__)
+IGNORE_INDEX = -100
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # Rendered templates already carry their special tokens (BOS included where the model
+    # uses one); letting the tokenizer add them again would double the BOS.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class MCQACollator:
+    """Tokenise MCQA prompts with left padding so every row's last token is the answer slot."""
+
+    tokenizer: object
+    max_length: int = 1024
+    truncated: int = 0
+
+    def __call__(self, records: list[MCQARecord]) -> dict:
+        rows = []
+        for record in records:
+            ids = _encode(self.tokenizer, render_prompt(self.tokenizer, mcqa_user_text(record)))
+            if len(ids) > self.max_length:
+                # Cut from the left: the options and the answer slot are at the end.
+                self.truncated += 1
+                ids = ids[-self.max_length :]
+            rows.append(ids)
+        input_ids, attention_mask = pad_left(rows, self.tokenizer.pad_token_id)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": torch.tensor([r.answer for r in records], dtype=torch.long),
+            "ids": [r.id for r in records],
+            "n_options": len(records[0].choices),
+        }
+
+
+def pad_left(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists to a (B, L) tensor and its attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+@dataclass
+class InstructionCollator:
+    """Tokenise instruction examples; labels are -100 on prompt and padding tokens.
+
+    Over-long examples lose prompt tokens from the left first (the start of the response is
+    what the loss needs); only a response longer than `max_length` itself is cut at its end.
+    Both are counted in `stats`.
+    """
+
+    tokenizer: object
+    max_length: int = 512
+    stats: dict = field(default_factory=lambda: {"prompt_truncated": 0, "response_truncated": 0})
+
+    def encode(self, record: InstructionRecord) -> tuple[list[int], list[int]]:
+        prompt, response = render_conversation(
+            self.tokenizer, instruction_user_text(record), record.output
+        )
+        prompt_ids, response_ids = (
+            _encode(self.tokenizer, prompt),
+            _encode(self.tokenizer, response),
+        )
+        if len(response_ids) >= self.max_length:
+            self.stats["response_truncated"] += 1
+            response_ids = response_ids[: self.max_length - 1]
+        room = self.max_length - len(response_ids)
+        if len(prompt_ids) > room:
+            self.stats["prompt_truncated"] += 1
+            prompt_ids = prompt_ids[-room:]
+        ids = prompt_ids + response_ids
+        labels = [IGNORE_INDEX] * len(prompt_ids) + response_ids
+        return ids, labels
+
+    def __call__(self, records: list[InstructionRecord]) -> dict:
+        encoded = [self.encode(r) for r in records]
+        width = max(len(ids) for ids, _ in encoded)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(records), width), pad, dtype=torch.long)
+        labels = torch.full((len(records), width), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(records), width), dtype=torch.long)
+        for i, (ids, lab) in enumerate(encoded):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, : len(lab)] = torch.tensor(lab)
+            mask[i, : len(ids)] = 1
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}

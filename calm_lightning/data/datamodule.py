@@ -1,0 +1,154 @@
+"""One LightningDataModule for every setting: a train source, an optional held-out source
+(the upper level's unlabeled inputs) and an MCQA test source."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from calm_lightning.data.collate import InstructionCollator, MCQACollator
+from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text
+from calm_lightning.data.records import InstructionRecord, MCQARecord
+from calm_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def as_training_example(record: MCQARecord | InstructionRecord) -> InstructionRecord:
+    """MCQA items train as an instruction whose response is the answer letter the evaluation
+    reads; instruction records pass through."""
+    if isinstance(record, InstructionRecord):
+        return record
+    return InstructionRecord(
+        instruction=mcqa_user_text(record),
+        input="",
+        output=OPTION_LETTERS[record.answer],
+        id=record.id,
+    )
+
+
+class CalibrationDataModule(L.LightningDataModule):
+    """Loaders for a setting: `train` (+ `heldout`, combined) for fitting, `test` for MCQA."""
+
+    def __init__(
+        self,
+        tokenizer=None,
+        train=None,
+        heldout=None,
+        test=None,
+        batch_size: int = 4,
+        heldout_batch_size: int | None = None,
+        eval_batch_size: int = 16,
+        max_length: int = 512,
+        eval_max_length: int = 1024,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.sources = {"train": train, "heldout": heldout, "test": test}
+        self.batch_size = batch_size
+        self.heldout_batch_size = heldout_batch_size or batch_size
+        self.eval_batch_size = eval_batch_size
+        self.max_length = max_length
+        self.eval_max_length = eval_max_length
+        self.num_workers = num_workers
+        self.seed = seed
+        self.records: dict[str, list] = {}
+        self._train_collator: InstructionCollator | None = None
+        self._test_collator: MCQACollator | None = None
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ConfigError("CalibrationDataModule needs a tokenizer before building loaders")
+        return self.tokenizer
+
+    def _load(self, split: str) -> list:
+        if split not in self.records:
+            source = self.sources[split]
+            if source is None:
+                raise ConfigError(f"this setting defines no '{split}' data")
+            self.records[split] = source.load()
+            log.info("%s split: %d records from %s", split, len(self.records[split]), source.name)
+        return self.records[split]
+
+    def setup(self, stage: str | None = None) -> None:
+        if stage in (None, "fit"):
+            self._load("train")
+            if self.sources["heldout"] is not None:
+                self._load("heldout")
+        if stage in (None, "test", "predict", "validate"):
+            test = self._load("test")
+            if test and not isinstance(test[0], MCQARecord):
+                raise ConfigError("the test split must be multiple-choice (kind: mcqa)")
+
+    @property
+    def train_collator(self) -> InstructionCollator:
+        if self._train_collator is None:
+            self._train_collator = InstructionCollator(self._require_tokenizer(), self.max_length)
+        return self._train_collator
+
+    @property
+    def test_collator(self) -> MCQACollator:
+        if self._test_collator is None:
+            self._test_collator = MCQACollator(self._require_tokenizer(), self.eval_max_length)
+        return self._test_collator
+
+    def _instruction_loader(self, split: str, batch_size: int, offset: int) -> DataLoader:
+        examples = [as_training_example(r) for r in self._load(split)]
+        return DataLoader(
+            examples,
+            batch_size=batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.seed + offset),
+            collate_fn=self.train_collator,
+            num_workers=self.num_workers,
+            drop_last=len(examples) >= batch_size,
+        )
+
+    def heldout_dataloader(self) -> DataLoader:
+        """Unlabeled-use inputs for the upper level (labels are collated but never needed)."""
+        return self._instruction_loader("heldout", self.heldout_batch_size, offset=1)
+
+    def train_dataloader(self):
+        train = self._instruction_loader("train", self.batch_size, offset=0)
+        if self.sources["heldout"] is None:
+            return train
+        from lightning.pytorch.utilities import CombinedLoader
+
+        # One held-out batch per training batch; the shorter loader cycles.
+        return CombinedLoader(
+            {"train": train, "heldout": self.heldout_dataloader()}, mode="max_size_cycle"
+        )
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self._load("test"),
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            collate_fn=self.test_collator,
+            num_workers=self.num_workers,
+        )
+
+    def summary(self) -> dict:
+        """Split sizes, sources and truncation counts, for the run's output dir."""
+        out = {}
+        for split, source in self.sources.items():
+            if source is None:
+                continue
+            out[split] = dict(source.describe(), n=len(self.records.get(split, [])))
+        if self._train_collator is not None:
+            out["train_truncation"] = dict(self._train_collator.stats)
+        if self._test_collator is not None:
+            out["test_prompts_truncated"] = self._test_collator.truncated
+        return out
+
+    def write_summary(self, directory: str | Path) -> Path:
+        path = Path(directory) / "data_summary.json"
+        path.write_text(json.dumps(self.summary(), indent=2))
+        return path

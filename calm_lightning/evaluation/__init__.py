@@ -1,0 +1,1 @@
+"""Evaluation: running benchmarks and plotting reliability diagrams."""

@@ -1,0 +1,80 @@
+"""Result files every run writes (metrics.json, predictions.jsonl, reliability.png) and the
+table printed at the end of a run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from calm_lightning.evaluation.reliability import plot_reliability_diagram
+
+TABLE_COLUMNS = (
+    ("accuracy", "acc"),
+    ("conf_ece", "conf-ECE"),
+    ("cw_ece", "cw-ECE"),
+    ("mce", "MCE"),
+    ("brier", "Brier"),
+    ("nll", "NLL"),
+)
+
+
+def write_mcqa_results(
+    directory: str | Path, predictions, metrics: dict, meta: dict, title: str = ""
+) -> dict[str, Path]:
+    """Write metrics, per-example predictions and the reliability diagram under `directory`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "metrics": directory / "metrics.json",
+        "predictions": directory / "predictions.jsonl",
+        "reliability": directory / "reliability.png",
+    }
+    payload = {
+        "metrics": metrics,
+        **meta,
+        "option_tokens": {
+            "style": predictions.option_tokens.style,
+            "ids": list(predictions.option_tokens.ids),
+            "letters": predictions.option_tokens.letters,
+        },
+    }
+    paths["metrics"].write_text(json.dumps(payload, indent=2))
+    letters = predictions.option_tokens.letters
+    with paths["predictions"].open("w", encoding="utf-8") as handle:
+        for example_id, probs, label in zip(
+            predictions.ids, predictions.probs, predictions.labels, strict=True
+        ):
+            prediction = int(probs.argmax())
+            row = {
+                "id": example_id,
+                "probs": [round(float(p), 6) for p in probs],
+                "label": int(label),
+                "prediction": prediction,
+                "predicted_letter": letters[prediction],
+                "confidence": round(float(probs.max()), 6),
+                "correct": prediction == int(label),
+            }
+            handle.write(json.dumps(row) + "\n")
+    plot_reliability_diagram(
+        predictions.probs, predictions.labels, paths["reliability"], title=title
+    )
+    return paths
+
+
+def format_table(rows: dict[str, dict]) -> str:
+    """A fixed-width table, one row per method (name -> metrics dict)."""
+    width = max([len("method")] + [len(name) for name in rows])
+    header = "method".ljust(width) + "".join(f"{label:>10}" for _, label in TABLE_COLUMNS)
+    lines = [header, "-" * len(header)]
+    for name, metrics in rows.items():
+        cells = []
+        for key, _ in TABLE_COLUMNS:
+            value = metrics.get(key)
+            if value is None:
+                cells.append(f"{'-':>10}")
+            elif key == "accuracy":
+                cells.append(f"{100 * value:>9.2f}%")
+            else:
+                cells.append(f"{value:>10.4f}")
+        lines.append(name.ljust(width) + "".join(cells))
+    return "\n".join(lines)

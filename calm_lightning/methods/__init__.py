@@ -1,0 +1,1 @@
+"""One LightningModule per method family; all share the MCQA evaluation of `CalibrationMethod`."""

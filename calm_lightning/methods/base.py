@@ -1,0 +1,98 @@
+"""The shared LightningModule: every method is evaluated by the same MCQA test loop here.
+
+A training method subclasses `CalibrationMethod`, sets `trains = True` and implements
+`training_step` / `configure_optimizers`; evaluation, metrics and result files stay shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import lightning as L
+import numpy as np
+import torch
+
+from calm_lightning.calibration.metrics import calibration_report
+from calm_lightning.evaluation.mcqa import OptionTokens, choose_option_tokens, score_options
+from calm_lightning.models.calibrated_lm import CalibratedLM
+
+
+@dataclass
+class MCQAPredictions:
+    """Option probabilities of a test split, in dataset order."""
+
+    ids: list[str]
+    probs: np.ndarray  # (N, K) float64
+    labels: np.ndarray  # (N,)
+    option_tokens: OptionTokens
+
+    def report(self, n_bins: int = 10) -> dict[str, float]:
+        return calibration_report(self.probs, self.labels, n_bins=n_bins)
+
+
+class CalibrationMethod(L.LightningModule):
+    """Holds the calibrated LM and scores MCQA test batches."""
+
+    trains = False
+
+    def __init__(
+        self,
+        model: CalibratedLM,
+        tokenizer=None,
+        option_tokens: str = "auto",
+        probe_size: int = 8,
+        n_bins: int = 10,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.option_token_style = option_tokens
+        self.probe_size = probe_size
+        self.n_bins = n_bins
+        self.option_tokens: OptionTokens | None = None
+        self.predictions: MCQAPredictions | None = None
+        self._test_rows: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
+
+    # ----- evaluation (shared) -----
+    def _probe_batch(self) -> dict | None:
+        loader = self.trainer.test_dataloaders
+        loader = loader[0] if isinstance(loader, list | tuple) else loader
+        records = [loader.dataset[i] for i in range(min(self.probe_size, len(loader.dataset)))]
+        if not records:
+            return None
+        batch = loader.collate_fn(records)
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def on_test_start(self) -> None:
+        self.model.eval()
+        if self.option_tokens is None:
+            probe = self._probe_batch()
+            n_options = probe["n_options"] if probe else 4
+            self.option_tokens = choose_option_tokens(
+                self.model, self.tokenizer, probe, self.option_token_style, n_options
+            )
+        self._test_rows = []
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        logits = score_options(self.model, batch, self.option_tokens)
+        probs = torch.softmax(logits.double(), dim=-1)
+        self._test_rows.append((list(batch["ids"]), probs.cpu(), batch["labels"].cpu()))
+
+    def on_test_epoch_end(self) -> None:
+        ids = [i for rows, _, _ in self._test_rows for i in rows]
+        probs = torch.cat([p for _, p, _ in self._test_rows]).numpy()
+        labels = torch.cat([y for _, _, y in self._test_rows]).numpy()
+        self.predictions = MCQAPredictions(ids, probs, labels, self.option_tokens)
+        metrics = self.predictions.report(self.n_bins)
+        self.log_dict({f"test/{k}": float(v) for k, v in metrics.items()}, sync_dist=False)
+        self._test_rows = []
+
+    def save_calibration(self, directory) -> None:
+        """Write what training changed (adapter + head) to `directory`."""
+        self.model.save(directory)
+
+
+class BaseMethod(CalibrationMethod):
+    """The aligned model as it is (the paper's DPO / RLHF row): no training."""
+
+    trains = False

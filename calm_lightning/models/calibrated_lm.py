@@ -1,0 +1,94 @@
+"""The model every method trains and evaluates: a (peft-wrapped) causal LM plus an optional
+logit-adjustment head applied to its output, saved and loaded together."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from calm_lightning.models.logit_adjustment import HEAD_FILE, LogitAdjustment
+
+ADAPTER_DIR = "adapter"
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that ignore left padding.
+
+    The Llama forward does not derive positions from the mask: without this, left-padded
+    rows get shifted positions and batched probabilities differ from one-by-one ones.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class CalibratedLM(nn.Module):
+    """Causal LM + logit adjustment; `forward` returns adjusted logits."""
+
+    def __init__(self, lm: nn.Module, head: LogitAdjustment | None = None) -> None:
+        super().__init__()
+        self.lm = lm
+        self.head = head
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm.get_output_embeddings().weight.shape[0]
+
+    def raw_logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """The LM's own logits (B, L or logits_to_keep, V), positions corrected for padding."""
+        out = self.lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions_from_mask(attention_mask),
+            logits_to_keep=logits_to_keep,
+            use_cache=False,
+        )
+        return out.logits
+
+    def adjust(self, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the head (identity without one) and return fp32 logits."""
+        if self.head is None:
+            logits = logits.float()
+            return logits if token_ids is None else logits.index_select(-1, token_ids)
+        return self.head(logits, token_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int = 0,
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.adjust(self.raw_logits(input_ids, attention_mask, logits_to_keep), token_ids)
+
+    def save(self, directory: str | Path) -> Path:
+        """Save only what training changed: the adapter (if any) and the head (if any)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        saved = {"adapter": False, "head": False}
+        if hasattr(self.lm, "peft_config"):
+            self.lm.save_pretrained(directory / ADAPTER_DIR)
+            saved["adapter"] = True
+        if self.head is not None:
+            self.head.save(directory)
+            saved["head"] = True
+        (directory / "calibrated_lm.json").write_text(json.dumps(saved))
+        return directory
+
+    @classmethod
+    def load(cls, base_lm: nn.Module, directory: str | Path) -> CalibratedLM:
+        """Re-attach a saved adapter and head to a freshly loaded base model."""
+        directory = Path(directory)
+        lm = base_lm
+        if (directory / ADAPTER_DIR).is_dir():
+            from peft import PeftModel
+
+            lm = PeftModel.from_pretrained(base_lm, directory / ADAPTER_DIR)
+        head = LogitAdjustment.load(directory) if (directory / HEAD_FILE).is_file() else None
+        return cls(lm, head)

