@@ -104,9 +104,25 @@ def test_command_line_rejects_unknown_option_with_choices(tmp_path):
 
 @pytest.mark.slow
 def test_demo_base_evaluation_on_the_embedded_model(tmp_path):
+    from calm_lightning.data.prompts import mcqa_user_text, render_prompt
+    from calm_lightning.models.loading import load_language_model
+
     cfg = compose_run(["trainer.enable_progress_bar=false"], tmp_path)
     metrics = run_experiment(cfg)
-    n = len(EmbeddedDemoSource("mcqa", "test").load())
-    _check_run_outputs(tmp_path, metrics, n)
-    assert 0.25 < metrics["accuracy"] < 1.0  # better than chance on the demo questions
+    records = EmbeddedDemoSource("mcqa", "test").load()
+    _check_run_outputs(tmp_path, metrics, len(records))
     assert all(np.isfinite(v) for v in metrics.values())
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    # SmolLM2 answers after "<|im_start|>assistant\n" with the bare letter token.
+    assert saved["option_tokens"]["style"] == "bare"
+    # Independent check of a few rows: plain HF forward on the unpadded prompt.
+    loaded = load_language_model(cfg.model)
+    tok = loaded.tokenizer
+    letter_ids = tok.convert_tokens_to_ids(list("ABCD"))
+    rows = _predictions(tmp_path)
+    for record, row in list(zip(records, rows, strict=True))[:6]:
+        text = render_prompt(tok, mcqa_user_text(record))
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            logits = loaded.model(input_ids=ids).logits[0, -1, letter_ids]
+        np.testing.assert_allclose(row["probs"], logits.softmax(-1).numpy(), atol=1e-4)
