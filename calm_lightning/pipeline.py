@@ -80,6 +80,26 @@ def build_loggers(cfg: DictConfig) -> list:
     return [instantiate(node) for node in (cfg.get("logger") or {}).values() if node]
 
 
+def build_callbacks(cfg: DictConfig) -> list:
+    return [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node]
+
+
+def evaluate(trainer, module, datamodule, out: Path, cfg: DictConfig, method_name: str) -> dict:
+    """Score the test split with the module as it is now and write its result files."""
+    trainer.test(module, datamodule=datamodule, verbose=False)
+    metrics = module.predictions.report(cfg.evaluation.n_bins)
+    meta = {
+        "model": cfg.model.name,
+        "model_id": cfg.model.get("model_id"),
+        "method": method_name,
+        "setting": cfg.setting.name,
+        "seed": cfg.seed,
+    }
+    title = f"{cfg.model.name} / {method_name} / {cfg.setting.name}"
+    write_mcqa_results(out, module.predictions, metrics, meta, title=title)
+    return metrics
+
+
 def run_experiment(cfg: DictConfig) -> dict:
     """Run one (model, method, setting) and return its test metrics."""
     out = Path(cfg.paths.output_dir)
@@ -97,29 +117,29 @@ def run_experiment(cfg: DictConfig) -> dict:
         datamodule = build_datamodule(cfg, loaded.tokenizer)
         module = build_method(cfg, model, loaded.tokenizer)
         loggers = build_loggers(cfg)
-        trainer = instantiate(cfg.trainer, logger=loggers or False)
+        callbacks = build_callbacks(cfg) if module.trains else []
+        trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+        rows: dict[str, dict] = {}
+        if module.trains and cfg.evaluation.get("compare_with_base", True):
+            # Before fit the adapters are zero and the head is the identity: this is exactly
+            # the untouched model, scored on the same data by the same code.
+            start = time.perf_counter()
+            rows["base"] = evaluate(trainer, module, datamodule, out / "base", cfg, "base")
+            timings["evaluate_base_s"] = time.perf_counter() - start
         if module.trains:
             start = time.perf_counter()
-            trainer.fit(module, datamodule=datamodule)
+            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("resume"))
             timings["fit_s"] = time.perf_counter() - start
             module.save_calibration(out / "calibration")
         start = time.perf_counter()
-        trainer.test(module, datamodule=datamodule, verbose=False)
+        metrics = evaluate(trainer, module, datamodule, out, cfg, cfg.method.name)
         timings["evaluate_s"] = time.perf_counter() - start
-        metrics = module.predictions.report(cfg.evaluation.n_bins)
-        meta = {
-            "model": cfg.model.name,
-            "model_id": cfg.model.get("model_id"),
-            "method": cfg.method.name,
-            "setting": cfg.setting.name,
-            "seed": cfg.seed,
-            "timings": timings,
-        }
-        title = f"{cfg.model.name} / {cfg.method.name} / {cfg.setting.name}"
-        write_mcqa_results(out, module.predictions, metrics, meta, title=title)
+        rows[cfg.method.name] = metrics
+        _annotate_metrics(out, rows, timings)
         datamodule.write_summary(out)
-        print(f"\n{title}  (n = {metrics['n']}, outputs in {out})")
-        print(format_table({cfg.method.name: metrics}))
+        title = f"{cfg.model.name} / {cfg.setting.name}"
+        print(f"\n{title}  (n = {metrics['n']} test questions, outputs in {out})")
+        print(format_table(rows))
         return metrics
     finally:
         _finish(loggers)
@@ -127,6 +147,15 @@ def run_experiment(cfg: DictConfig) -> dict:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _annotate_metrics(out: Path, rows: dict, timings: dict) -> None:
+    """Add the comparison rows and wall times to the run's metrics.json."""
+    path = out / "metrics.json"
+    payload = json.loads(path.read_text())
+    payload["comparison"] = rows
+    payload["timings"] = timings
+    path.write_text(json.dumps(payload, indent=2))
 
 
 def _finish(loggers: list) -> None:

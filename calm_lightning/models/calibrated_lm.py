@@ -40,15 +40,25 @@ class CalibratedLM(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         logits_to_keep: int = 0,
+        params: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The LM's own logits (B, L or logits_to_keep, V), positions corrected for padding."""
-        out = self.lm(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions_from_mask(attention_mask),
-            logits_to_keep=logits_to_keep,
-            use_cache=False,
-        )
+        """The LM's own logits (B, L or logits_to_keep, V), positions corrected for padding.
+
+        `params` (names relative to `self.lm`) replaces those tensors for this call only, via
+        `torch.func.functional_call`: how CALM evaluates its surrogate adapter without ever
+        copying the model or touching the live parameters.
+        """
+        kwargs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": positions_from_mask(attention_mask),
+            "logits_to_keep": logits_to_keep,
+            "use_cache": False,
+        }
+        if params:
+            out = torch.func.functional_call(self.lm, params, args=(), kwargs=kwargs, strict=False)
+        else:
+            out = self.lm(**kwargs)
         return out.logits
 
     def adjust(self, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,6 +76,14 @@ class CalibratedLM(nn.Module):
         token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.adjust(self.raw_logits(input_ids, attention_mask, logits_to_keep), token_ids)
+
+    def adapter_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Trainable LM parameters (the LoRA tensors), keyed by name relative to `self.lm`."""
+        return {n: p for n, p in self.lm.named_parameters() if p.requires_grad}
+
+    def head_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The head's d and l (empty without a head)."""
+        return {} if self.head is None else dict(self.head.named_parameters())
 
     def save(self, directory: str | Path) -> Path:
         """Save only what training changed: the adapter (if any) and the head (if any)."""

@@ -1,0 +1,68 @@
+"""The BOME joint update direction, as a pure function of two gradient lists.
+
+    lambda = max(0, eta - <grad_f, grad_q> / (||grad_q||^2 + eps))
+    d      = grad_f + lambda * grad_q
+
+grad_f is the upper objective's gradient (negative entropy), grad_q the residual's
+(q = g(alpha, theta) - g(alpha, stopgrad theta~)). Both lists cover the same parameters, all
+blocks (adapter and head) flattened into one vector: dot products and norms are sums over
+tensors, accumulated in fp32 whatever the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BomeDirection:
+    """The joint direction (one tensor per parameter) and the scalars that made it."""
+
+    direction: list[torch.Tensor]
+    lam: float
+    dot: float
+    grad_f_norm: float
+    grad_q_norm: float
+
+
+def _fp32_sum(parts) -> torch.Tensor:
+    total = None
+    for part in parts:
+        total = part if total is None else total + part
+    return total if total is not None else torch.zeros((), dtype=torch.float32)
+
+
+def bome_direction(
+    grad_f: Sequence[torch.Tensor | None],
+    grad_q: Sequence[torch.Tensor | None],
+    eta: float = 0.5,
+    eps: float = 1e-8,
+) -> BomeDirection:
+    """Combine the two gradients; a None entry (parameter unreached) counts as zeros."""
+    if len(grad_f) != len(grad_q):
+        raise ValueError(f"gradient lists differ in length: {len(grad_f)} vs {len(grad_q)}")
+    pairs = []
+    for f, q in zip(grad_f, grad_q, strict=True):
+        if f is None and q is None:
+            raise ValueError("a parameter has neither an upper nor a residual gradient")
+        f = torch.zeros_like(q) if f is None else f
+        q = torch.zeros_like(f) if q is None else q
+        if f.shape != q.shape:
+            raise ValueError(f"gradient shapes differ: {tuple(f.shape)} vs {tuple(q.shape)}")
+        pairs.append((f, q))
+    dot = _fp32_sum((f.float() * q.float()).sum() for f, q in pairs)
+    q_sq = _fp32_sum(q.float().pow(2).sum() for _, q in pairs)
+    f_sq = _fp32_sum(f.float().pow(2).sum() for f, _ in pairs)
+    lam = torch.clamp(eta - dot / (q_sq + eps), min=0.0)
+    direction = [(f.float() + lam * q.float()).to(f.dtype) for f, q in pairs]
+    return BomeDirection(
+        direction=direction,
+        lam=float(lam),
+        dot=float(dot),
+        grad_f_norm=math.sqrt(float(f_sq)),
+        grad_q_norm=math.sqrt(float(q_sq)),
+    )

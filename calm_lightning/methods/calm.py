@@ -1,0 +1,297 @@
+"""CALM: bilevel calibration with a first-order BOME step (one outer step per training batch).
+
+theta = the LoRA adapter tensors, alpha = (d, l) of the logit-adjustment head.
+Lower level  g(alpha, theta) = cross-entropy of the adjusted model on a training batch.
+Upper level  f(alpha, theta) = - mean entropy of the adjusted model on a held-out batch.
+
+One outer step (ALGORITHMS.md, "CALM"):
+ 1. surrogate theta~ <- copy of theta (adapter tensors only), T plain gradient steps on g
+    with the lower LR, evaluated through `functional_call` (the live parameters never move);
+ 2. residual q = g(alpha, theta) - g(alpha, stopgrad theta~):
+    grad_theta q = grad_theta g(alpha, theta),
+    grad_alpha q = grad_alpha g(alpha, theta) - grad_alpha g(alpha, theta~);
+ 3. grad f on the held-out batch;
+ 4. d = grad f + lambda grad q (see `bome.py`), written into .grad; AdamW steps theta at the
+    lower LR and alpha at the upper LR; every trainable tensor is clamped to [-c, c].
+
+Cost: the first inner step shares its pass with grad g(alpha, theta) (same batch, alpha not
+detached), and grad_alpha g(alpha, theta~) needs a no-grad LM forward plus a backward through
+the head alone: T full passes + 1 forward + 1 entropy pass, instead of the literal T + 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.mcqa import option_token_candidates
+from calm_lightning.methods.bome import bome_direction
+from calm_lightning.methods.objectives import (
+    cross_entropy,
+    first_response_positions,
+    mean_entropy,
+    select_response_logits,
+)
+from calm_lightning.methods.training import (
+    NonFiniteError,
+    TrainingMethod,
+    clamp_,
+    first_non_finite,
+    warmup_cosine,
+)
+
+UPPER_OBJECTIVES = ("auto", "vocab", "options")
+
+
+@dataclass
+class BilevelGradients:
+    """Both gradients over (theta, alpha) and the loss values they came from."""
+
+    grad_f: list[torch.Tensor | None]
+    grad_q: list[torch.Tensor | None]
+    g: torch.Tensor  # g(alpha, theta)
+    g_surrogate: torch.Tensor  # g(alpha, theta~)
+    f: torch.Tensor  # upper objective (negative entropy)
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.g - self.g_surrogate
+
+
+def _sub(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None:
+        return None if b is None else -b
+    return a if b is None else a - b
+
+
+def bilevel_gradients(
+    theta: Sequence[torch.Tensor],
+    alpha: Sequence[torch.Tensor],
+    lower_loss: Callable[[list[torch.Tensor] | None, bool], torch.Tensor],
+    upper_loss: Callable[[], torch.Tensor],
+    inner_steps: int,
+    inner_lr: float,
+) -> BilevelGradients:
+    """The gradients of one CALM outer step, independent of what the model is.
+
+    `lower_loss(None, True)` is g(alpha, theta) with the live tensors; `lower_loss(s, track)`
+    is g(alpha, s) with surrogate tensors `s` standing in for theta (`track=False`: the
+    surrogate part needs no graph, only the alpha part does). `upper_loss()` is f(alpha, theta).
+    """
+    if inner_steps < 1:
+        raise ConfigError(f"inner_steps must be >= 1, got {inner_steps}")
+    theta, alpha = list(theta), list(alpha)
+    n_theta = len(theta)
+    # Pass 1 at theta, alpha live: grad_theta g is both the first inner step's gradient and
+    # grad_theta q; grad_alpha g(alpha, theta) is the residual's first alpha term.
+    g = lower_loss(None, True)
+    grads = torch.autograd.grad(g, theta + alpha, allow_unused=True)
+    g_theta, g_alpha = list(grads[:n_theta]), list(grads[n_theta:])
+
+    def sgd(tensors, gradients):
+        # New tensors every step: the surrogate can never alias the live parameters.
+        return [
+            (t.detach() - inner_lr * gr).detach() if gr is not None else t.detach().clone()
+            for t, gr in zip(tensors, gradients, strict=True)
+        ]
+
+    surrogate = sgd(theta, g_theta)
+    for _ in range(inner_steps - 1):
+        for tensor in surrogate:
+            tensor.requires_grad_(True)
+        loss = lower_loss(surrogate, True)
+        step_grads = torch.autograd.grad(loss, surrogate, allow_unused=True)
+        surrogate = sgd(surrogate, step_grads)
+    g_surrogate = lower_loss(surrogate, False)
+    g_alpha_surrogate = torch.autograd.grad(g_surrogate, alpha, allow_unused=True) if alpha else ()
+    grad_q = g_theta + [_sub(a, b) for a, b in zip(g_alpha, g_alpha_surrogate, strict=True)]
+    f = upper_loss()
+    grad_f = list(torch.autograd.grad(f, theta + alpha, allow_unused=True))
+    return BilevelGradients(grad_f, grad_q, g.detach(), g_surrogate.detach(), f.detach())
+
+
+class CALM(TrainingMethod):
+    """The CALM LightningModule (manual optimization, two AdamW optimizers)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        inner_steps: int = 20,
+        eta: float = 0.5,
+        lower_lr: float = 1e-3,
+        upper_lr: float = 1e-5,
+        clamp: float = 10.0,
+        warmup_ratio: float = 0.4,
+        min_lr_ratio: float = 0.0,
+        betas: Sequence[float] = (0.9, 0.95),
+        weight_decay: float = 0.02,
+        upper_objective: str = "auto",
+        **evaluation,
+    ) -> None:
+        super().__init__(model, tokenizer, **evaluation)
+        if upper_objective not in UPPER_OBJECTIVES:
+            raise ConfigError(
+                f"upper_objective={upper_objective!r} is not one of {', '.join(UPPER_OBJECTIVES)}"
+            )
+        if model.head is None:
+            raise ConfigError("CALM needs a logit-adjustment head: set method.head (vector|scalar)")
+        if inner_steps < 1:
+            raise ConfigError(f"method.module.inner_steps must be >= 1, got {inner_steps}")
+        self.automatic_optimization = False
+        self.inner_steps = int(inner_steps)
+        self.eta = float(eta)
+        self.lower_lr = float(lower_lr)
+        self.upper_lr = float(upper_lr)
+        self.clamp = float(clamp)
+        self.warmup_ratio = float(warmup_ratio)
+        self.min_lr_ratio = float(min_lr_ratio)
+        self.betas = tuple(float(b) for b in betas)
+        self.weight_decay = float(weight_decay)
+        self.upper_objective = upper_objective
+
+    # ----- parameters and optimizers -----
+    def _theta(self) -> tuple[list[str], list[torch.nn.Parameter]]:
+        named = self.model.adapter_parameters()
+        if not named:
+            raise ConfigError("CALM trains LoRA adapters: use peft=lora (the model has none)")
+        return list(named), list(named.values())
+
+    def _alpha(self) -> list[torch.nn.Parameter]:
+        return list(self.model.head_parameters().values())
+
+    def configure_optimizers(self):
+        _, theta = self._theta()
+        opt_theta = torch.optim.AdamW(
+            theta, lr=self.lower_lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+        opt_alpha = torch.optim.AdamW(
+            self._alpha(), lr=self.upper_lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+        total = int(self.trainer.estimated_stepping_batches)
+        factor = warmup_cosine(total, round(self.warmup_ratio * total), self.min_lr_ratio)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in (opt_theta, opt_alpha)]
+        return [opt_theta, opt_alpha], schedulers
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if str(self.trainer.precision) in {"16-mixed", "16"}:
+            # The direction is written into .grad by hand; fp16 loss scaling would unscale
+            # gradients that were never scaled.
+            raise ConfigError("CALM supports bf16-mixed or 32-true precision, not fp16")
+        if self.upper_objective == "auto":
+            datamodule = getattr(self.trainer, "datamodule", None)
+            source = getattr(datamodule, "sources", {}).get("heldout") if datamodule else None
+            kind = getattr(source, "kind", "instruction")
+            self.upper_objective = "options" if kind == "mcqa" else "vocab"
+        self._option_ids = None
+        if self.upper_objective == "options":
+            candidates = option_token_candidates(self.tokenizer)
+            style = self.option_token_style if self.option_token_style in candidates else None
+            self._option_ids = candidates[style or next(iter(candidates))].tensor(self.device)
+
+    # ----- objectives -----
+    def lower_loss_fn(self, batch: dict, names: list[str]):
+        """g(alpha, .) on a training batch, optionally with surrogate adapter tensors."""
+
+        def lower(surrogate: list[torch.Tensor] | None, track: bool) -> torch.Tensor:
+            params = dict(zip(names, surrogate, strict=True)) if surrogate is not None else None
+            with nullcontext() if track else torch.no_grad():
+                raw = self.model.raw_logits(
+                    batch["input_ids"], batch["attention_mask"], params=params
+                )
+                selected, targets = select_response_logits(raw, batch["labels"])
+            return cross_entropy(self.model.adjust(selected), targets)
+
+        return lower
+
+    def upper_loss_fn(self, batch: dict):
+        """f(alpha, theta) = - mean entropy on a held-out batch (labels only locate responses)."""
+
+        def upper() -> torch.Tensor:
+            raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
+            if self.upper_objective == "options":
+                rows = torch.arange(raw.shape[0], device=raw.device)
+                slot = raw[rows, first_response_positions(batch["labels"])]
+                return -mean_entropy(self.model.adjust(slot, self._option_ids))
+            selected, _ = select_response_logits(raw, batch["labels"])
+            return -mean_entropy(self.model.adjust(selected))
+
+        return upper
+
+    # ----- the outer step -----
+    def _fail(self, quantity: str) -> None:
+        path = self.save_last_good()
+        where = f"; last good checkpoint: {path}" if path else ""
+        raise NonFiniteError(
+            f"CALM outer step {self.outer_step}: {quantity} is not finite (NaN or inf). The "
+            f"parameters were left at their last finite values{where}. Lower "
+            "method.module.lower_lr / upper_lr, or check the training data for empty responses."
+        )
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        train, heldout = (batch["train"], batch["heldout"]) if "heldout" in batch else (batch,) * 2
+        names, theta = self._theta()
+        alpha = self._alpha()
+        # Several separate gradients of different objectives (some w.r.t. surrogate tensors
+        # that are not parameters) are needed, so torch.autograd.grad replaces
+        # manual_backward here; the combined direction is then written into .grad.
+        grads = bilevel_gradients(
+            theta,
+            alpha,
+            self.lower_loss_fn(train, names),
+            self.upper_loss_fn(heldout),
+            self.inner_steps,
+            self.lower_lr,
+        )
+        bad = first_non_finite(
+            lower_loss=grads.g,
+            surrogate_lower_loss=grads.g_surrogate,
+            entropy_objective=grads.f,
+            upper_gradient=grads.grad_f,
+            residual_gradient=grads.grad_q,
+        )
+        if bad:
+            self._fail(bad)
+        step = bome_direction(grads.grad_f, grads.grad_q, eta=self.eta)
+        if first_non_finite(direction=step.direction):
+            self._fail("update direction")
+        for param, direction in zip(theta + alpha, step.direction, strict=True):
+            param.grad = direction
+        opt_theta, opt_alpha = self.optimizers()
+        opt_theta.step()
+        opt_alpha.step()
+        opt_theta.zero_grad(set_to_none=True)
+        opt_alpha.zero_grad(set_to_none=True)
+        for scheduler in self.lr_schedulers():
+            scheduler.step()
+        clamp_(theta + alpha, self.clamp)
+        self.outer_step += 1
+        self._log_step(grads, step, opt_theta, opt_alpha)
+
+    def _log_step(self, grads: BilevelGradients, step, opt_theta, opt_alpha) -> None:
+        head = self.model.head.summary()
+        values = {
+            "calm/g": grads.g.item(),
+            "calm/q": grads.q.item(),
+            "calm/entropy": -grads.f.item(),
+            "calm/lambda": step.lam,
+            "calm/grad_f_norm": step.grad_f_norm,
+            "calm/grad_q_norm": step.grad_q_norm,
+            "calm/lr_lower": opt_theta.param_groups[0]["lr"],
+            "calm/lr_upper": opt_alpha.param_groups[0]["lr"],
+            "calm/outer_step": float(self.outer_step),
+            **{f"calm/{k}": v for k, v in head.items()},
+        }
+        self.log_dict(values, on_step=True, on_epoch=False)
+        self.log_dict(
+            {"entropy": values["calm/entropy"], "g": values["calm/g"], "lam": step.lam},
+            on_step=True,
+            on_epoch=False,
+            prog_bar=True,
+            logger=False,
+        )

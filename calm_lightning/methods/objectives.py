@@ -1,0 +1,47 @@
+"""Losses on response positions: the lower level's cross-entropy and the upper level's entropy.
+
+Instruction batches carry labels aligned with `input_ids` (-100 on prompt and padding); the
+logit at position t predicts token t + 1, so response positions are where `labels[:, 1:]` is
+not -100. Only those rows of the (B, L, V) logits are pushed through the head and the losses,
+which keeps the vocabulary-wide tensors as small as the response.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from calm_lightning.data.collate import IGNORE_INDEX
+
+
+def response_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, L - 1) mask of positions whose next token is a response token."""
+    return labels[:, 1:] != IGNORE_INDEX
+
+
+def select_response_logits(logits: torch.Tensor, labels: torch.Tensor):
+    """(N, V) logits at response positions and their (N,) next-token targets."""
+    mask = response_positions(labels)
+    if not mask.any():
+        raise ValueError("the batch has no response tokens (all labels are -100)")
+    return logits[:, :-1][mask], labels[:, 1:][mask]
+
+
+def mean_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Mean Shannon entropy (nats) of softmax(logits) over the last dimension, in fp32."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return -(log_p.exp() * log_p).sum(-1).mean()
+
+
+def cross_entropy(adjusted: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross-entropy in fp32."""
+    return F.cross_entropy(adjusted.float(), targets)
+
+
+def first_response_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Index (per row) of the position that predicts the first response token (the answer
+    letter for MCQA examples)."""
+    mask = response_positions(labels)
+    if not mask.any(dim=1).all():
+        raise ValueError("a row has no response tokens")
+    return mask.float().argmax(dim=1)

@@ -1,0 +1,94 @@
+"""Pieces every training method shares: optimizers and schedules built the paper's way,
+non-finite checks that stop with a useful message, parameter clamping, and checkpoints that
+hold only what trains (adapter + head), never the frozen base model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+
+from calm_lightning.errors import CalmLightningError
+from calm_lightning.methods.base import CalibrationMethod
+
+
+class NonFiniteError(CalmLightningError):
+    """A loss or gradient became NaN or infinite during training."""
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float = 0.0) -> Callable:
+    """LR multiplier: linear warmup from 1/(warmup+1) to 1, then cosine down to `min_ratio`."""
+    total_steps = max(1, int(total_steps))
+    warmup_steps = max(0, min(int(warmup_steps), total_steps - 1))
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        progress = min(1.0, progress)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def first_non_finite(**quantities) -> str | None:
+    """Name of the first quantity (tensor, float, or list of tensors) holding NaN / inf."""
+    for name, value in quantities.items():
+        values = value if isinstance(value, list | tuple) else [value]
+        for item in values:
+            if item is None:
+                continue
+            if torch.is_tensor(item):
+                if not torch.isfinite(item).all():
+                    return name
+            elif not math.isfinite(float(item)):
+                return name
+    return None
+
+
+@torch.no_grad()
+def clamp_(params: Iterable[torch.Tensor], bound: float) -> None:
+    """Clamp every parameter into [-bound, bound] in place (the paper's parameter clipping)."""
+    for param in params:
+        param.clamp_(-bound, bound)
+
+
+class TrainingMethod(CalibrationMethod):
+    """A method that trains: checkpoints keep trainable tensors only."""
+
+    trains = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Checkpoints omit the frozen base weights, so loading them must not be strict.
+        self.strict_loading = False
+        self.outer_step = 0
+
+    def on_fit_start(self) -> None:
+        # HF models load in eval mode and evaluation leaves them there; Lightning keeps each
+        # module's mode, so switch to train mode (LoRA dropout on) explicitly.
+        self.model.train()
+
+    def trainable_names(self) -> set[str]:
+        return {n for n, p in self.named_parameters() if p.requires_grad}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        keep = self.trainable_names()
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+        checkpoint["outer_step"] = self.outer_step
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.outer_step = int(checkpoint.get("outer_step", 0))
+
+    def save_last_good(self) -> str | None:
+        """Write a checkpoint of the current (still finite) state; return its path."""
+        trainer = getattr(self, "_trainer", None)
+        if trainer is None:
+            return None
+        from pathlib import Path
+
+        path = Path(trainer.default_root_dir) / "checkpoints" / "last-good.ckpt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(str(path))
+        return str(path)

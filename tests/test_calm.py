@@ -1,0 +1,266 @@
+"""CALM: the BOME direction against the formula, the bilevel step on a convex toy problem with
+a known solution, and one real outer step on the tiny model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from calm_lightning.data.datamodule import CalibrationDataModule
+from calm_lightning.data.sources import EmbeddedDemoSource
+from calm_lightning.methods.bome import bome_direction
+from calm_lightning.methods.calm import CALM, bilevel_gradients
+from calm_lightning.methods.training import NonFiniteError, warmup_cosine
+from calm_lightning.models.calibrated_lm import CalibratedLM
+from calm_lightning.models.logit_adjustment import LogitAdjustment
+from calm_lightning.models.lora import wrap_with_lora
+
+# ----- the pure direction -----
+
+
+def test_lambda_clipped_at_zero_when_gradients_agree():
+    # <f, q> = 1, |q|^2 = 1: eta - 1 = -0.5 < 0, so lambda = 0 and d = grad f.
+    out = bome_direction([torch.tensor([1.0, 0.0])], [torch.tensor([1.0, 0.0])], eta=0.5)
+    assert out.lam == 0.0
+    torch.testing.assert_close(out.direction[0], torch.tensor([1.0, 0.0]))
+
+
+def test_lambda_positive_over_several_tensors():
+    # Blocks flatten into one vector: f = (1, 0 | 2), q = (-1, 1 | 0).
+    # <f, q> = -1, |q|^2 = 2, lambda = 0.5 + 0.5 = 1, d = f + q = (0, 1 | 2).
+    f = [torch.tensor([1.0, 0.0]), torch.tensor([2.0])]
+    q = [torch.tensor([-1.0, 1.0]), torch.tensor([0.0])]
+    out = bome_direction(f, q, eta=0.5)
+    assert out.lam == pytest.approx(1.0)
+    assert out.dot == pytest.approx(-1.0)
+    assert out.grad_q_norm == pytest.approx(2**0.5) and out.grad_f_norm == pytest.approx(5**0.5)
+    torch.testing.assert_close(out.direction[0], torch.tensor([0.0, 1.0]))
+    torch.testing.assert_close(out.direction[1], torch.tensor([2.0]))
+
+
+def test_zero_residual_gradient_gives_lambda_eta_and_d_equal_f():
+    f = [torch.tensor([0.3, -0.2])]
+    out = bome_direction(f, [torch.zeros(2)], eta=0.5)
+    assert out.lam == pytest.approx(0.5)
+    torch.testing.assert_close(out.direction[0], f[0])
+
+
+def test_none_entries_count_as_zero_and_bf16_accumulates_in_fp32():
+    f = [None, torch.full((1000,), 0.01, dtype=torch.bfloat16)]
+    q = [torch.tensor([2.0]), torch.full((1000,), -0.01, dtype=torch.bfloat16)]
+    out = bome_direction(f, q, eta=0.5)
+    qf = torch.full((1000,), 0.01, dtype=torch.bfloat16).float()
+    dot = -(qf * qf).sum()
+    expected_lam = 0.5 - dot / (4.0 + (qf * qf).sum() + 1e-8)
+    assert out.lam == pytest.approx(float(expected_lam), rel=1e-6)
+    assert out.direction[1].dtype == torch.bfloat16
+    torch.testing.assert_close(out.direction[0], expected_lam * torch.tensor([2.0]))
+
+
+def test_warmup_then_cosine_schedule():
+    factor = warmup_cosine(total_steps=10, warmup_steps=4)
+    assert [round(factor(s), 4) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
+    assert factor(4) == pytest.approx(1.0)
+    assert factor(7) == pytest.approx(0.5)  # half-way through the cosine
+    assert factor(10) == pytest.approx(0.0)
+
+
+# ----- a convex toy bilevel problem with a known solution -----
+
+
+def test_bilevel_step_converges_on_a_quadratic_toy_problem():
+    """Lower: g = 1/2 |theta - A alpha|^2 (so theta*(alpha) = A alpha).
+    Upper: f = 1/2 |theta - b|^2. Solution: alpha* = argmin |A alpha - b| (least squares)."""
+    torch.manual_seed(0)
+    A = torch.tensor([[1.0, 0.5], [0.0, 1.0], [1.0, -1.0]])
+    b = torch.tensor([1.0, 2.0, -0.5])
+    alpha_star = torch.linalg.lstsq(A, b.unsqueeze(1)).solution.squeeze(1)
+    theta = torch.zeros(3, requires_grad=True)
+    alpha = torch.zeros(2, requires_grad=True)
+
+    def lower(surrogate, track):
+        t = theta if surrogate is None else surrogate[0]
+        return 0.5 * (t - A @ alpha).pow(2).sum()
+
+    def upper():
+        return 0.5 * (theta - b).pow(2).sum()
+
+    for k in range(1500):
+        # BOME reaches the solution as the step size decays (a fixed step leaves a residual
+        # of the lower-level constraint proportional to it).
+        lr = 0.1 / (1 + k / 100) ** 0.5
+        grads = bilevel_gradients([theta], [alpha], lower, upper, inner_steps=10, inner_lr=0.3)
+        step = bome_direction(grads.grad_f, grads.grad_q, eta=0.5)
+        with torch.no_grad():
+            theta -= lr * step.direction[0]
+            alpha -= lr * step.direction[1]
+    torch.testing.assert_close(alpha.detach(), alpha_star, atol=5e-3, rtol=0)
+    torch.testing.assert_close(theta.detach(), A @ alpha_star, atol=4e-2, rtol=0)
+
+
+def test_residual_gradients_match_the_definition():
+    """grad_theta q = grad_theta g(theta) and
+    grad_alpha q = grad_alpha g(theta) - grad_alpha g(theta~), with theta~ after T explicit SGD
+    steps; computed here by hand for the quadratic."""
+    A = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
+    theta = torch.tensor([0.5, -1.0], requires_grad=True)
+    alpha = torch.tensor([0.3, 0.7], requires_grad=True)
+
+    def lower(surrogate, track):
+        t = theta if surrogate is None else surrogate[0]
+        return 0.5 * (t - A @ alpha).pow(2).sum()
+
+    def upper():
+        return (theta * alpha).sum() + alpha.pow(2).sum()
+
+    T, rho = 3, 0.25
+    grads = bilevel_gradients([theta], [alpha], lower, upper, inner_steps=T, inner_lr=rho)
+    with torch.no_grad():
+        target = A @ alpha
+        t = theta.clone()
+        for _ in range(T):
+            t = t - rho * (t - target)
+        grad_theta_g = theta - target
+        grad_alpha_g = -A.T @ (theta - target)
+        grad_alpha_g_tilde = -A.T @ (t - target)
+    torch.testing.assert_close(grads.grad_q[0], grad_theta_g)
+    torch.testing.assert_close(grads.grad_q[1], grad_alpha_g - grad_alpha_g_tilde)
+    torch.testing.assert_close(grads.grad_f[0], alpha.detach())
+    torch.testing.assert_close(grads.grad_f[1], theta.detach() + 2 * alpha.detach())
+    assert grads.q.item() == pytest.approx(
+        0.5 * float(grad_theta_g.pow(2).sum()) - 0.5 * float((t - target).pow(2).sum())
+    )
+
+
+# ----- the LightningModule on the tiny model -----
+
+
+def _tiny_calm(tiny_loaded, head_kind="vector", **kwargs) -> CALM:
+    lm = wrap_with_lora(copy.deepcopy(tiny_loaded.model), {"r": 4, "lora_alpha": 8})
+    head = LogitAdjustment(lm.get_output_embeddings().weight.shape[0], kind=head_kind)
+    options = dict(inner_steps=2, lower_lr=1e-2, upper_lr=1e-2, warmup_ratio=0.0)
+    options.update(kwargs)
+    return CALM(CalibratedLM(lm, head), tiny_loaded.tokenizer, **options)
+
+
+def _datamodule(tokenizer) -> CalibrationDataModule:
+    return CalibrationDataModule(
+        tokenizer,
+        train=EmbeddedDemoSource("instruction", "train", limit=8),
+        heldout=EmbeddedDemoSource("instruction", "heldout", limit=8),
+        test=EmbeddedDemoSource("mcqa", "test", limit=8),
+        batch_size=2,
+        max_length=96,
+    )
+
+
+def _trainer(tmp_path, steps=1):
+    import lightning as L
+
+    return L.Trainer(
+        max_epochs=1,
+        limit_train_batches=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+    )
+
+
+def _snapshot(module: CALM) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def test_one_outer_step_updates_adapter_and_head_within_the_clamp(tiny_loaded, tmp_path):
+    module = _tiny_calm(tiny_loaded, clamp=0.05)
+    before = _snapshot(module)
+    _trainer(tmp_path).fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    after = _snapshot(module)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert any("lora_A" in n for n in changed) and any("lora_B" in n for n in changed)
+    assert {"model.head.scale", "model.head.bias"} <= changed
+    assert all(t.abs().max() <= 0.05 + 1e-7 for t in after.values())
+    assert any(t.abs().max() == pytest.approx(0.05) for t in after.values())  # clamp was active
+    assert module.outer_step == 1
+
+
+def test_surrogate_loop_never_touches_the_live_parameters(tiny_loaded):
+    module = _tiny_calm(tiny_loaded, inner_steps=3)
+    datamodule = _datamodule(tiny_loaded.tokenizer)
+    datamodule.setup("fit")
+    batch, _, _ = next(iter(datamodule.train_dataloader()))  # CombinedLoader yields triples
+    module.upper_objective = "vocab"
+    names, theta = module._theta()
+    before = _snapshot(module)
+    grads = bilevel_gradients(
+        theta,
+        module._alpha(),
+        module.lower_loss_fn(batch["train"], names),
+        module.upper_loss_fn(batch["heldout"]),
+        module.inner_steps,
+        module.lower_lr,
+    )
+    after = _snapshot(module)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert all(p.grad is None for p in theta)  # autograd.grad leaves .grad alone
+    assert grads.q.item() > 0  # three SGD steps on the same batch lowered g
+    assert len(grads.grad_f) == len(grads.grad_q) == len(theta) + 2
+
+
+def test_identity_head_reproduces_the_plain_model(tiny_loaded):
+    module = _tiny_calm(tiny_loaded)
+    ids = torch.randint(0, 5000, (2, 9))
+    mask = torch.ones_like(ids)
+    module.model.eval()
+    with torch.no_grad():
+        adjusted = module.model(ids, mask)
+        plain = tiny_loaded.model(input_ids=ids).logits
+    torch.testing.assert_close(adjusted, plain)
+
+
+def test_scalar_head_keeps_the_argmax_after_training(tiny_loaded, tmp_path):
+    module = _tiny_calm(tiny_loaded, head_kind="scalar", upper_lr=0.05)
+    _trainer(tmp_path, steps=2).fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    head = module.model.head
+    assert head.scale.numel() == 1 and head.scale.item() != 1.0 and head.scale.item() > 0
+    z = torch.randn(16, head.vocab_size) * 5
+    with torch.no_grad():
+        assert torch.equal(head(z).argmax(-1), z.argmax(-1))
+
+
+def test_non_finite_objective_stops_with_step_and_quantity(tiny_loaded, tmp_path, monkeypatch):
+    module = _tiny_calm(tiny_loaded)
+    original = module.upper_loss_fn
+
+    def poisoned(batch):
+        upper = original(batch)
+        return lambda: upper() * float("nan")
+
+    monkeypatch.setattr(module, "upper_loss_fn", poisoned)
+    before = _snapshot(module)
+    with pytest.raises(NonFiniteError, match="outer step 0: entropy_objective is not finite"):
+        _trainer(tmp_path).fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    assert (tmp_path / "checkpoints" / "last-good.ckpt").is_file()
+    after = _snapshot(module)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_checkpoint_holds_only_trainable_tensors_and_the_outer_step(tiny_loaded, tmp_path):
+    module = _tiny_calm(tiny_loaded)
+    trainer = _trainer(tmp_path)
+    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    path = tmp_path / "c.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    keys = set(checkpoint["state_dict"])
+    assert keys == set(_snapshot(module)) and checkpoint["outer_step"] == 1
+    # Resume into a fresh module: trainable tensors and the step counter come back.
+    fresh = _tiny_calm(tiny_loaded)
+    fresh.load_state_dict(checkpoint["state_dict"], strict=False)
+    fresh.on_load_checkpoint(checkpoint)
+    assert fresh.outer_step == 1
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in checkpoint["state_dict"].items())
