@@ -233,8 +233,12 @@ class CALM(TrainingMethod):
             "method.module.lower_lr / upper_lr, or check the training data for empty responses."
         )
 
-    def training_step(self, batch: dict, batch_idx: int) -> None:
-        train, heldout = (batch["train"], batch["heldout"]) if "heldout" in batch else (batch,) * 2
+    def bilevel_update(self, train: dict, heldout: dict, opt_theta, opt_alpha, schedulers=()):
+        """One full CALM update on a training and a held-out batch; returns what to log.
+
+        Stops with NonFiniteError before touching any parameter if a loss or gradient is
+        NaN / inf, so the parameters stay at their last finite values.
+        """
         names, theta = self._theta()
         alpha = self._alpha()
         # Several separate gradients of different objectives (some w.r.t. surrogate tensors
@@ -262,15 +266,22 @@ class CALM(TrainingMethod):
             self._fail("update direction")
         for param, direction in zip(theta + alpha, step.direction, strict=True):
             param.grad = direction
-        opt_theta, opt_alpha = self.optimizers()
         opt_theta.step()
         opt_alpha.step()
         opt_theta.zero_grad(set_to_none=True)
         opt_alpha.zero_grad(set_to_none=True)
-        for scheduler in self.lr_schedulers():
+        for scheduler in schedulers:
             scheduler.step()
         clamp_(theta + alpha, self.clamp)
         self.outer_step += 1
+        return grads, step
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        train, heldout = (batch["train"], batch["heldout"]) if "heldout" in batch else (batch,) * 2
+        opt_theta, opt_alpha = self.optimizers()
+        grads, step = self.bilevel_update(
+            train, heldout, opt_theta, opt_alpha, self.lr_schedulers()
+        )
         self._log_step(grads, step, opt_theta, opt_alpha)
 
     def _log_step(self, grads: BilevelGradients, step, opt_theta, opt_alpha) -> None:

@@ -1,0 +1,188 @@
+"""Cost of one CALM outer step against plain LoRA fine-tuning, measured in one run.
+
+Prints two ratios (targets from issue 3):
+  time   = CALM outer step / (plain LoRA step x (T + 3))       target <= 1.1
+  memory = CALM peak memory / plain LoRA peak memory             target <= 1.25
+
+Each mode runs in its own subprocess (so peak memory is that mode's alone); plain and CALM
+workers alternate `--repeats` times and medians are reported, because this machine is shared
+and noisy. Memory is the peak resident set size on CPU (and the CUDA allocator's peak on GPU);
+the increase over the loaded model is reported too.
+
+    python benchmarks/calm_step.py                      # embedded SmolLM2, T = 5, batch 4 x 256
+    python benchmarks/calm_step.py --model tiny --inner-steps 3 --steps 2   # seconds, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+MODELS = {
+    "smollm2": {
+        "name": "smollm2",
+        "source": "embedded",
+        "dtype": "float32",
+        "quantization": "none",
+    },
+    "tiny": {"name": "tiny", "source": "tiny", "tiny": {"embedding_scale": 30.0}},
+}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as handle:
+        pages = int(handle.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _batch(tokenizer, batch: int, seq: int, seed: int) -> dict:
+    """Fixed-shape batch: random tokens, the second half of each row is the response."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(100, len(tokenizer) - 100, (batch, seq), generator=generator)
+    labels = ids.clone()
+    labels[:, : seq // 2] = -100
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def worker(args) -> dict:
+    import torch
+
+    from calm_lightning.methods.calm import CALM
+    from calm_lightning.methods.objectives import cross_entropy, select_response_logits
+    from calm_lightning.models.calibrated_lm import CalibratedLM
+    from calm_lightning.models.loading import load_language_model
+    from calm_lightning.models.logit_adjustment import LogitAdjustment
+    from calm_lightning.models.lora import wrap_with_lora
+
+    torch.manual_seed(0)
+    loaded = load_language_model(MODELS[args.model])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lm = wrap_with_lora(loaded.model, {"r": 64, "lora_alpha": 32, "lora_dropout": args.dropout}).to(
+        device
+    )
+    lm.train()
+    head = LogitAdjustment(lm.get_output_embeddings().weight.shape[0]).to(device)
+    module = CALM(CalibratedLM(lm, head), loaded.tokenizer, inner_steps=args.inner_steps)
+    module.upper_objective = "vocab"
+    train = {k: v.to(device) for k, v in _batch(loaded.tokenizer, args.batch, args.seq, 0).items()}
+    heldout = {
+        k: v.to(device) for k, v in _batch(loaded.tokenizer, args.batch, args.seq, 1).items()
+    }
+    names, theta = module._theta()
+    baseline = _rss_mb()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        cuda_base = torch.cuda.memory_allocated()
+    times = []
+    if args.worker == "plain":
+        optimizer = torch.optim.AdamW(theta, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.02)
+        for _ in range(args.steps + 1):
+            start = time.perf_counter()
+            raw = module.model.raw_logits(train["input_ids"], train["attention_mask"])
+            selected, targets = select_response_logits(raw, train["labels"])
+            cross_entropy(selected, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    else:
+        opt_theta = torch.optim.AdamW(theta, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.02)
+        opt_alpha = torch.optim.AdamW(module._alpha(), lr=1e-5, betas=(0.9, 0.95))
+        for _ in range(args.steps + 1):
+            start = time.perf_counter()
+            module.bilevel_update(train, heldout, opt_theta, opt_alpha)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    result = {
+        "mode": args.worker,
+        "step_s": statistics.median(times[1:]),  # the first step pays one-off allocation
+        "peak_rss_mb": _peak_rss_mb(),
+        "loaded_rss_mb": baseline,
+    }
+    if device.type == "cuda":
+        result["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        result["cuda_loaded_mb"] = cuda_base / 2**20
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument("--inner-steps", type=int, default=5, help="T")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per worker")
+    parser.add_argument("--repeats", type=int, default=2, help="plain/CALM worker pairs")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--dropout", type=float, default=0.01, help="LoRA dropout (paper 0.01)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--worker", choices=["plain", "calm"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return
+
+    runs: dict[str, list[dict]] = {"plain": [], "calm": []}
+    passthrough = [a for a in sys.argv[1:] if not a.startswith("--worker")]
+    for repeat in range(args.repeats):
+        for mode in ("plain", "calm"):
+            done = subprocess.run(
+                [sys.executable, __file__, *passthrough, "--worker", mode],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+            if done.returncode != 0 or not lines:
+                sys.exit(f"{mode} worker failed:\n{done.stderr[-3000:]}")
+            runs[mode].append(json.loads(lines[-1][len("RESULT ") :]))
+            print(
+                f"repeat {repeat + 1}/{args.repeats} {mode:5s}: "
+                f"{runs[mode][-1]['step_s']:.2f} s/step, "
+                f"peak {runs[mode][-1]['peak_rss_mb']:.0f} MiB",
+                flush=True,
+            )
+
+    def median(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    T = args.inner_steps
+    plain_s, calm_s = median("plain", "step_s"), median("calm", "step_s")
+    time_ratio = calm_s / (plain_s * (T + 3))
+    mem_key = "cuda_peak_mb" if "cuda_peak_mb" in runs["plain"][0] else "peak_rss_mb"
+    base_key = "cuda_loaded_mb" if mem_key == "cuda_peak_mb" else "loaded_rss_mb"
+    plain_mem, calm_mem = median("plain", mem_key), median("calm", mem_key)
+    plain_extra = plain_mem - median("plain", base_key)
+    calm_extra = calm_mem - median("calm", base_key)
+    print()
+    print(f"model={args.model} T={T} batch={args.batch}x{args.seq} dropout={args.dropout}")
+    print(f"plain LoRA step           {plain_s:8.2f} s")
+    print(f"CALM outer step           {calm_s:8.2f} s  (= {calm_s / plain_s:.2f} plain steps)")
+    print(f"time ratio   CALM / (plain x (T+3)) = {time_ratio:.3f}   (target <= 1.1)")
+    print(f"peak memory  plain {plain_mem:.0f} MiB, CALM {calm_mem:.0f} MiB ({mem_key})")
+    print(f"memory ratio CALM / plain           = {calm_mem / plain_mem:.3f}   (target <= 1.25)")
+    print(
+        f"  above the loaded model: plain +{plain_extra:.0f} MiB, CALM +{calm_extra:.0f} MiB "
+        f"(ratio {calm_extra / max(plain_extra, 1e-9):.2f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
