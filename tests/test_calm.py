@@ -264,3 +264,14 @@ def test_checkpoint_holds_only_trainable_tensors_and_the_outer_step(tiny_loaded,
     fresh.on_load_checkpoint(checkpoint)
     assert fresh.outer_step == 1
     assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in checkpoint["state_dict"].items())
+
+
+def test_entropy_matches_the_textbook_formula():
+    from calm_lightning.methods.objectives import mean_entropy
+
+    z = torch.randn(7, 50, dtype=torch.float64) * 6
+    p = torch.softmax(z, -1)
+    expected = -(p * torch.log(p)).sum(-1).mean()
+    assert mean_entropy(z).item() == pytest.approx(expected.item(), rel=1e-5)
+    uniform = torch.zeros(3, 16)
+    assert mean_entropy(uniform).item() == pytest.approx(float(torch.log(torch.tensor(16.0))))

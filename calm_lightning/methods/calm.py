@@ -109,6 +109,7 @@ def bilevel_gradients(
     g_surrogate = lower_loss(surrogate, False)
     g_alpha_surrogate = torch.autograd.grad(g_surrogate, alpha, allow_unused=True) if alpha else ()
     grad_q = g_theta + [_sub(a, b) for a, b in zip(g_alpha, g_alpha_surrogate, strict=True)]
+    del surrogate, g_alpha, g_alpha_surrogate  # free before the entropy pass, the last peak
     f = upper_loss()
     grad_f = list(torch.autograd.grad(f, theta + alpha, allow_unused=True))
     return BilevelGradients(grad_f, grad_q, g.detach(), g_surrogate.detach(), f.detach())

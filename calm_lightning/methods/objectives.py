@@ -28,9 +28,14 @@ def select_response_logits(logits: torch.Tensor, labels: torch.Tensor):
 
 
 def mean_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Mean Shannon entropy (nats) of softmax(logits) over the last dimension, in fp32."""
-    log_p = torch.log_softmax(logits.float(), dim=-1)
-    return -(log_p.exp() * log_p).sum(-1).mean()
+    """Mean Shannon entropy (nats) of softmax(logits) over the last dimension, in fp32.
+
+    Written as H = logsumexp(z) - sum(p * z): autograd then keeps one (N, V) tensor (p) for
+    the backward instead of two (log p and p) with the textbook -sum(p log p).
+    """
+    z = logits.float()
+    p = torch.softmax(z, dim=-1)
+    return (torch.logsumexp(z, dim=-1) - (p * z).sum(-1)).mean()
 
 
 def cross_entropy(adjusted: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,8 @@ class LogitAdjustment(nn.Module):
             z = z.index_select(-1, token_ids)
             if self.kind == "vector":
                 scale, bias = scale.index_select(0, token_ids), bias.index_select(0, token_ids)
-        return z * scale + bias
+        # One fused op: z * scale + bias would keep an extra (N, V) intermediate alive.
+        return torch.addcmul(bias, z, scale)
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, kind={self.kind}, center={self.center}"
