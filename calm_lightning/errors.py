@@ -19,3 +19,7 @@ class DataFormatError(CalmLightningError):
 
 class ConfigError(CalmLightningError):
     """A config value is invalid in a way Hydra cannot detect by itself."""
+
+
+class DataUnavailableError(CalmLightningError):
+    """A hub dataset is neither cached, nor reachable, nor given as local files."""

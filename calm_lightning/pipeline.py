@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -21,6 +22,11 @@ from calm_lightning.models.logit_adjustment import LogitAdjustment
 from calm_lightning.models.lora import wrap_with_lora
 
 log = logging.getLogger(__name__)
+
+# Manual-optimization methods (CALM) checkpoint the state after their update on purpose: a
+# checkpoint at outer step k holds the parameters and counter after step k, which is what a
+# resume needs. Lightning warns that it cannot save a pre-update state; that is not wanted.
+warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
 
 def build_calibrated_lm(cfg: DictConfig, loaded: LoadedModel) -> CalibratedLM:

@@ -46,12 +46,21 @@ def test_trainer_and_loggers_instantiate(logger, tmp_path):
 
 
 @pytest.mark.parametrize("setting", options("setting"))
-def test_setting_sources_instantiate_and_load(setting, tmp_path):
+def test_setting_sources_instantiate(setting, tmp_path, monkeypatch):
+    """Bundled data loads; hub data (offline here, no cache) fails with its remedies."""
+    from calm_lightning.errors import DataUnavailableError
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
     cfg = compose_run([f"setting={setting}"], tmp_path)
     for split in ("train", "heldout", "test"):
-        if cfg.setting.get(split) is not None:
-            source = instantiate(cfg.setting[split])
+        source = instantiate(cfg.setting[split])
+        assert source.kind in {"mcqa", "instruction", "openqa"}
+        if setting == "demo":
             assert len(source.load()) > 0
+        else:
+            with pytest.raises(DataUnavailableError, match="pass local files"):
+                source.load()
 
 
 def test_every_config_field_is_commented():

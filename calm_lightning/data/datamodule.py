@@ -12,18 +12,20 @@ import torch
 from torch.utils.data import DataLoader
 
 from calm_lightning.data.collate import InstructionCollator, MCQACollator
-from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text
-from calm_lightning.data.records import InstructionRecord, MCQARecord
+from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, openqa_user_text
+from calm_lightning.data.records import InstructionRecord, MCQARecord, OpenQARecord
 from calm_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def as_training_example(record: MCQARecord | InstructionRecord) -> InstructionRecord:
-    """MCQA items train as an instruction whose response is the answer letter the evaluation
-    reads; instruction records pass through."""
+def as_training_example(record: MCQARecord | InstructionRecord | OpenQARecord) -> InstructionRecord:
+    """Every record trains as an instruction example: MCQA items answer with the letter the
+    evaluation reads, open QA items with their first gold alias; instructions pass through."""
     if isinstance(record, InstructionRecord):
         return record
+    if isinstance(record, OpenQARecord):
+        return InstructionRecord(openqa_user_text(record), "", record.answers[0], id=record.id)
     return InstructionRecord(
         instruction=mcqa_user_text(record),
         input="",
@@ -84,6 +86,11 @@ class CalibrationDataModule(L.LightningDataModule):
                 self._load("heldout")
         if stage in (None, "test", "predict", "validate"):
             test = self._load("test")
+            if test and isinstance(test[0], OpenQARecord):
+                raise ConfigError(
+                    "this setting tests on open-ended QA; its evaluation (sampling + Sem-ECE) is "
+                    "not part of this version yet. The train / held-out loaders work."
+                )
             if test and not isinstance(test[0], MCQARecord):
                 raise ConfigError("the test split must be multiple-choice (kind: mcqa)")
 

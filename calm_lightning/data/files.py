@@ -108,7 +108,7 @@ def _parquet(path: Path) -> Iterator[tuple[int, dict]]:
         import pyarrow.parquet as pq
     except ImportError as err:
         raise DataFormatError(
-            f"{path}: reading parquet needs pyarrow (pip install -e '.[data]')"
+            f"{path}: reading parquet needs pyarrow (pip install pyarrow)"
         ) from err
     table = pq.read_table(path)
     yield from enumerate(table.to_pylist(), start=1)

@@ -3,10 +3,11 @@ USER/ASSISTANT format for tokenizers that have none (e.g. Vicuna v1.5)."""
 
 from __future__ import annotations
 
-from calm_lightning.data.records import InstructionRecord, MCQARecord
+from calm_lightning.data.records import InstructionRecord, MCQARecord, OpenQARecord
 
 OPTION_LETTERS = "ABCDEFGHIJ"
 MCQA_INSTRUCTION = "Answer with the letter of the correct option ({letters})."
+OPENQA_INSTRUCTION = "Answer the question with a short answer of a few words."
 # Vicuna v1.1+ conversation format, used when a tokenizer ships no chat template.
 PLAIN_SYSTEM = (
     "A chat between a curious user and an artificial intelligence assistant. The assistant "
@@ -59,3 +60,8 @@ def mcqa_user_text(record: MCQARecord) -> str:
     )
     listed = ", ".join(letters[:-1]) + f" or {letters[-1]}"
     return f"{record.question}\n\n{options}\n\n{MCQA_INSTRUCTION.format(letters=listed)}"
+
+
+def openqa_user_text(record: OpenQARecord) -> str:
+    """A short-answer prompt; the format is the same for training and evaluation."""
+    return f"{OPENQA_INSTRUCTION}\n\nQuestion: {record.question}"

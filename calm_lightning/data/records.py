@@ -37,6 +37,16 @@ class InstructionRecord:
     id: str = ""
 
 
+@dataclass(frozen=True)
+class OpenQARecord:
+    """An open-ended question with its gold answer aliases (the first is the training target)."""
+
+    id: str
+    question: str
+    answers: tuple[str, ...]
+    source: str = ""
+
+
 def _where(path: str, line: int) -> str:
     return f"{path}, line {line}"
 
