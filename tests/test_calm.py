@@ -242,7 +242,7 @@ def test_non_finite_objective_stops_with_step_and_quantity(tiny_loaded, tmp_path
 
     monkeypatch.setattr(module, "upper_loss_fn", poisoned)
     before = _snapshot(module)
-    with pytest.raises(NonFiniteError, match="outer step 0: entropy_objective is not finite"):
+    with pytest.raises(NonFiniteError, match="CALM step 0: entropy_objective is not finite"):
         _trainer(tmp_path).fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
     assert (tmp_path / "checkpoints" / "last-good.ckpt").is_file()
     after = _snapshot(module)

@@ -107,4 +107,9 @@ class InstructionCollator:
             input_ids[i, : len(ids)] = torch.tensor(ids)
             labels[i, : len(lab)] = torch.tensor(lab)
             mask[i, : len(ids)] = 1
-        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+        return {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "labels": labels,
+            "ids": [r.id for r in records],
+        }

@@ -28,16 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.mcqa import option_token_candidates
 from calm_lightning.methods.bome import bome_direction
-from calm_lightning.methods.objectives import (
-    cross_entropy,
-    first_response_positions,
-    mean_entropy,
-    select_response_logits,
-)
+from calm_lightning.methods.objectives import adjusted_predictions, cross_entropy, mean_entropy
 from calm_lightning.methods.training import (
-    NonFiniteError,
     TrainingMethod,
     clamp_,
     first_non_finite,
@@ -154,6 +147,9 @@ class CALM(TrainingMethod):
         self.betas = tuple(float(b) for b in betas)
         self.weight_decay = float(weight_decay)
         self.upper_objective = upper_objective
+        # Resolved from the data in on_fit_start; these defaults serve direct (test) use.
+        self.lower_mode = "vocab"
+        self._option_ids: torch.Tensor | None = None
 
     # ----- parameters and optimizers -----
     def _theta(self) -> tuple[list[str], list[torch.nn.Parameter]]:
@@ -184,20 +180,15 @@ class CALM(TrainingMethod):
             # The direction is written into .grad by hand; fp16 loss scaling would unscale
             # gradients that were never scaled.
             raise ConfigError("CALM supports bf16-mixed or 32-true precision, not fp16")
-        if self.upper_objective == "auto":
-            datamodule = getattr(self.trainer, "datamodule", None)
-            source = getattr(datamodule, "sources", {}).get("heldout") if datamodule else None
-            kind = getattr(source, "kind", "instruction")
-            self.upper_objective = "options" if kind == "mcqa" else "vocab"
-        self._option_ids = None
-        if self.upper_objective == "options":
-            candidates = option_token_candidates(self.tokenizer)
-            style = self.option_token_style if self.option_token_style in candidates else None
-            self._option_ids = candidates[style or next(iter(candidates))].tensor(self.device)
+        self.lower_mode = self.resolve_mode("auto", "train")
+        self.upper_objective = self.resolve_mode(self.upper_objective, "heldout")
+        needs_options = "options" in (self.lower_mode, self.upper_objective)
+        self._option_ids = self.training_option_ids() if needs_options else None
 
     # ----- objectives -----
     def lower_loss_fn(self, batch: dict, names: list[str]):
         """g(alpha, .) on a training batch, optionally with surrogate adapter tensors."""
+        mode = self.lower_mode
 
         def lower(surrogate: list[torch.Tensor] | None, track: bool) -> torch.Tensor:
             params = dict(zip(names, surrogate, strict=True)) if surrogate is not None else None
@@ -205,8 +196,10 @@ class CALM(TrainingMethod):
                 raw = self.model.raw_logits(
                     batch["input_ids"], batch["attention_mask"], params=params
                 )
-                selected, targets = select_response_logits(raw, batch["labels"])
-            return cross_entropy(self.model.adjust(selected), targets)
+            logits, targets = adjusted_predictions(
+                self.model, raw, batch["labels"], mode, self._option_ids
+            )
+            return cross_entropy(logits, targets)
 
         return lower
 
@@ -215,25 +208,14 @@ class CALM(TrainingMethod):
 
         def upper() -> torch.Tensor:
             raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
-            if self.upper_objective == "options":
-                rows = torch.arange(raw.shape[0], device=raw.device)
-                slot = raw[rows, first_response_positions(batch["labels"])]
-                return -mean_entropy(self.model.adjust(slot, self._option_ids))
-            selected, _ = select_response_logits(raw, batch["labels"])
-            return -mean_entropy(self.model.adjust(selected))
+            logits, _ = adjusted_predictions(
+                self.model, raw, batch["labels"], self.upper_objective, self._option_ids
+            )
+            return -mean_entropy(logits)
 
         return upper
 
     # ----- the outer step -----
-    def _fail(self, quantity: str) -> None:
-        path = self.save_last_good()
-        where = f"; last good checkpoint: {path}" if path else ""
-        raise NonFiniteError(
-            f"CALM outer step {self.outer_step}: {quantity} is not finite (NaN or inf). The "
-            f"parameters were left at their last finite values{where}. Lower "
-            "method.module.lower_lr / upper_lr, or check the training data for empty responses."
-        )
-
     def bilevel_update(self, train: dict, heldout: dict, opt_theta, opt_alpha, schedulers=()):
         """One full CALM update on a training and a held-out batch; returns what to log.
 
@@ -261,10 +243,10 @@ class CALM(TrainingMethod):
             residual_gradient=grads.grad_q,
         )
         if bad:
-            self._fail(bad)
+            self.fail_non_finite(bad)
         step = bome_direction(grads.grad_f, grads.grad_q, eta=self.eta)
         if first_non_finite(direction=step.direction):
-            self._fail("update direction")
+            self.fail_non_finite("update direction")
         for param, direction in zip(theta + alpha, step.direction, strict=True):
             param.grad = direction
         opt_theta.step()

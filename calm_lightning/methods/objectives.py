@@ -50,3 +50,40 @@ def first_response_positions(labels: torch.Tensor) -> torch.Tensor:
     if not mask.any(dim=1).all():
         raise ValueError("a row has no response tokens")
     return mask.float().argmax(dim=1)
+
+
+MODES = ("vocab", "options")
+
+
+def select_predictions(
+    raw: torch.Tensor, labels: torch.Tensor, mode: str, option_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of raw logits a training objective scores, and their targets.
+
+    vocab: every response position over the full vocabulary; targets are next-token ids.
+    options: the answer slot (first response position) of MCQA examples; the caller restricts
+    it to `option_ids`, and targets are option indices (which letter the response starts with).
+    """
+    if mode == "vocab":
+        return select_response_logits(raw, labels)
+    if mode != "options":
+        raise ValueError(f"objective mode {mode!r} is not one of {MODES}")
+    rows = torch.arange(raw.shape[0], device=raw.device)
+    slot = first_response_positions(labels)
+    letters = labels[rows, slot + 1]
+    match = letters[:, None] == option_ids[None, :]
+    if not match.any(dim=1).all():
+        raise ValueError("a training answer does not start with one of the option letter tokens")
+    return raw[rows, slot], match.float().argmax(dim=1)
+
+
+def adjusted_predictions(
+    model,
+    raw: torch.Tensor,
+    labels: torch.Tensor,
+    mode: str,
+    option_ids: torch.Tensor | None = None,
+):
+    """`select_predictions` followed by the model's logit adjustment (fp32)."""
+    rows, targets = select_predictions(raw, labels, mode, option_ids)
+    return model.adjust(rows, option_ids if mode == "options" else None), targets

@@ -70,6 +70,37 @@ class TrainingMethod(CalibrationMethod):
         # module's mode, so switch to train mode (LoRA dropout on) explicitly.
         self.model.train()
 
+    # ----- what the data is, and which distribution an objective scores -----
+    def data_kind(self, split: str) -> str:
+        """`mcqa`, `instruction` or `openqa` for a split of the fitted data module."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        source = getattr(datamodule, "sources", {}).get(split) if datamodule else None
+        return getattr(source, "kind", "instruction")
+
+    def resolve_mode(self, requested: str, split: str) -> str:
+        """`auto` = option letters for MCQA data, the full vocabulary otherwise."""
+        if requested != "auto":
+            return requested
+        return "options" if self.data_kind(split) == "mcqa" else "vocab"
+
+    def training_option_ids(self) -> torch.Tensor:
+        """Token ids of the option letters as training targets spell them."""
+        from calm_lightning.evaluation.mcqa import option_token_candidates
+
+        candidates = option_token_candidates(self.tokenizer)
+        style = self.option_token_style if self.option_token_style in candidates else None
+        return candidates[style or next(iter(candidates))].tensor(self.device)
+
+    def fail_non_finite(self, quantity: str) -> None:
+        """Stop with the step and quantity named, after saving the still-finite state."""
+        path = self.save_last_good()
+        where = f"; last good checkpoint: {path}" if path else ""
+        raise NonFiniteError(
+            f"{type(self).__name__} step {self.outer_step}: {quantity} is not finite (NaN or "
+            f"inf). The parameters were left at their last finite values{where}. Lower the "
+            "learning rate(s) in method.module, or check the training data for empty responses."
+        )
+
     def trainable_names(self) -> set[str]:
         return {n for n, p in self.named_parameters() if p.requires_grad}
 
