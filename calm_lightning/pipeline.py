@@ -15,6 +15,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.results import format_table, write_mcqa_results
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.loading import LoadedModel, load_language_model
@@ -47,15 +48,36 @@ def build_calibrated_lm(cfg: DictConfig, loaded: LoadedModel) -> CalibratedLM:
     return CalibratedLM(lm, head)
 
 
-def build_datamodule(cfg: DictConfig, tokenizer):
+def build_sources(cfg: DictConfig) -> dict:
+    """The setting's train / held-out / test sources (cheap: nothing is read yet)."""
+    return {
+        split: instantiate(cfg.setting[split]) if cfg.setting.get(split) is not None else None
+        for split in ("train", "heldout", "test")
+    }
+
+
+def check_method_fits_setting(cfg: DictConfig, sources: dict) -> None:
+    """Refuse a method / setting pair that cannot work, before any model is loaded."""
+    requires = cfg.method.get("requires") or {}
+    reason = requires.get("reason", "")
+    kind = requires.get("train_kind")
+    if kind and getattr(sources.get("train"), "kind", None) != kind:
+        raise ConfigError(
+            f"method={cfg.method.name} cannot run in setting={cfg.setting.name}: {reason}"
+        )
+    if requires.get("heldout") and sources.get("heldout") is None:
+        raise ConfigError(
+            f"method={cfg.method.name} needs held-out data, which setting={cfg.setting.name} "
+            "does not define"
+        )
+
+
+def build_datamodule(cfg: DictConfig, tokenizer, sources: dict | None = None):
     """The setting's data module (sources are instantiated from `setting.train/heldout/test`)."""
     from calm_lightning.data.datamodule import CalibrationDataModule
 
     setting = cfg.setting
-    sources = {
-        split: instantiate(setting[split]) if setting.get(split) is not None else None
-        for split in ("train", "heldout", "test")
-    }
+    sources = build_sources(cfg) if sources is None else sources
     return CalibrationDataModule(
         tokenizer=tokenizer,
         batch_size=setting.batch_size,
@@ -115,18 +137,22 @@ def run_experiment(cfg: DictConfig) -> dict:
     timings: dict[str, float] = {}
     loggers: list = []
     module = None
+    sources = build_sources(cfg)
+    check_method_fits_setting(cfg, sources)
     try:
         start = time.perf_counter()
         loaded = load_language_model(cfg.model)
         timings["load_model_s"] = time.perf_counter() - start
         model = build_calibrated_lm(cfg, loaded)
-        datamodule = build_datamodule(cfg, loaded.tokenizer)
+        datamodule = build_datamodule(cfg, loaded.tokenizer, sources)
         module = build_method(cfg, model, loaded.tokenizer)
         loggers = build_loggers(cfg)
         callbacks = build_callbacks(cfg) if module.trains else []
         trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
         rows: dict[str, dict] = {}
-        if module.trains and cfg.evaluation.get("compare_with_base", True):
+        extras: dict = {}
+        posthoc = getattr(module, "posthoc", False)
+        if (module.trains or posthoc) and cfg.evaluation.get("compare_with_base", True):
             # Before fit the adapters are zero and the head is the identity: this is exactly
             # the untouched model, scored on the same data by the same code.
             start = time.perf_counter()
@@ -137,11 +163,19 @@ def run_experiment(cfg: DictConfig) -> dict:
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("resume"))
             timings["fit_s"] = time.perf_counter() - start
             module.save_calibration(out / "calibration")
+        if posthoc:
+            start = time.perf_counter()
+            trainer.predict(
+                module, dataloaders=module.posthoc_loader(datamodule), return_predictions=False
+            )
+            extras["posthoc"] = module.fit_posthoc()
+            timings["fit_posthoc_s"] = time.perf_counter() - start
+            module.save_calibration(out / "calibration")
         start = time.perf_counter()
         metrics = evaluate(trainer, module, datamodule, out, cfg, cfg.method.name)
         timings["evaluate_s"] = time.perf_counter() - start
         rows[cfg.method.name] = metrics
-        _annotate_metrics(out, rows, timings)
+        _annotate_metrics(out, rows, timings, extras)
         datamodule.write_summary(out)
         title = f"{cfg.model.name} / {cfg.setting.name}"
         print(f"\n{title}  (n = {metrics['n']} test questions, outputs in {out})")
@@ -155,12 +189,13 @@ def run_experiment(cfg: DictConfig) -> dict:
             torch.cuda.empty_cache()
 
 
-def _annotate_metrics(out: Path, rows: dict, timings: dict) -> None:
-    """Add the comparison rows and wall times to the run's metrics.json."""
+def _annotate_metrics(out: Path, rows: dict, timings: dict, extras: dict) -> None:
+    """Add the comparison rows, wall times and method extras (e.g. T) to metrics.json."""
     path = out / "metrics.json"
     payload = json.loads(path.read_text())
     payload["comparison"] = rows
     payload["timings"] = timings
+    payload.update(extras)
     path.write_text(json.dumps(payload, indent=2))
 
 

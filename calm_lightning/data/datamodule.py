@@ -106,17 +106,27 @@ class CalibrationDataModule(L.LightningDataModule):
             self._test_collator = MCQACollator(self._require_tokenizer(), self.eval_max_length)
         return self._test_collator
 
-    def _instruction_loader(self, split: str, batch_size: int, offset: int) -> DataLoader:
+    def _instruction_loader(
+        self, split: str, batch_size: int, offset: int, shuffle: bool = True
+    ) -> DataLoader:
         examples = [as_training_example(r) for r in self._load(split)]
         return DataLoader(
             examples,
             batch_size=batch_size,
-            shuffle=True,
+            shuffle=shuffle,
             generator=torch.Generator().manual_seed(self.seed + offset),
             collate_fn=self.train_collator,
             num_workers=self.num_workers,
-            drop_last=len(examples) >= batch_size,
+            drop_last=shuffle and len(examples) >= batch_size,
         )
+
+    def ordered_train_dataloader(self) -> DataLoader:
+        """Every training example once, in file order (for passes of the initial model)."""
+        return self._instruction_loader("train", self.eval_batch_size, offset=0, shuffle=False)
+
+    def ordered_heldout_dataloader(self) -> DataLoader:
+        """Every held-out example once, in file order (post-hoc fitting)."""
+        return self._instruction_loader("heldout", self.eval_batch_size, offset=1, shuffle=False)
 
     def heldout_dataloader(self) -> DataLoader:
         """Unlabeled-use inputs for the upper level (labels are collated but never needed)."""

@@ -1,0 +1,120 @@
+"""Iterate: alternating single-level updates of the two blocks, without BOME coupling.
+
+Every training batch is one lower step of cross-entropy on the adapters (head frozen); after
+every `lower_steps` of them, one upper step on the head of 0.9 * CE - entropy on a held-out
+batch (adapters frozen). Plain gradients of each objective; two AdamW optimizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from calm_lightning.errors import ConfigError
+from calm_lightning.methods.objectives import adjusted_predictions, cross_entropy, mean_entropy
+from calm_lightning.methods.training import TrainingMethod, first_non_finite, warmup_cosine
+
+
+class Iterate(TrainingMethod):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        lower_steps: int = 20,
+        lower_lr: float = 1e-3,
+        upper_lr: float = 1e-5,
+        ce_weight: float = 0.9,
+        warmup_ratio: float = 0.4,
+        min_lr_ratio: float = 0.0,
+        betas: Sequence[float] = (0.9, 0.95),
+        weight_decay: float = 0.02,
+        **evaluation,
+    ) -> None:
+        super().__init__(model, tokenizer, **evaluation)
+        if model.head is None:
+            raise ConfigError("Iterate tunes a logit-adjustment head: set method.head")
+        self.automatic_optimization = False
+        self.lower_steps = int(lower_steps)
+        self.lower_lr, self.upper_lr = float(lower_lr), float(upper_lr)
+        self.ce_weight = float(ce_weight)
+        self.warmup_ratio, self.min_lr_ratio = float(warmup_ratio), float(min_lr_ratio)
+        self.betas = tuple(float(b) for b in betas)
+        self.weight_decay = float(weight_decay)
+        self.lower_mode = self.upper_mode = "vocab"
+        self.option_ids: torch.Tensor | None = None
+
+    def configure_optimizers(self):
+        theta = list(self.model.adapter_parameters().values())
+        if not theta:
+            raise ConfigError("Iterate trains LoRA adapters: use peft=lora")
+        alpha = list(self.model.head_parameters().values())
+        opt_theta = torch.optim.AdamW(
+            theta, lr=self.lower_lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+        opt_alpha = torch.optim.AdamW(
+            alpha, lr=self.upper_lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+        total = int(self.trainer.estimated_stepping_batches)
+        self.lr_factor = warmup_cosine(total, round(self.warmup_ratio * total), self.min_lr_ratio)
+        # The head steps only every `lower_steps` batches; its LR is set from the same factor
+        # at each of its steps instead of by a scheduler that would step without it.
+        return [opt_theta, opt_alpha], [
+            torch.optim.lr_scheduler.LambdaLR(opt_theta, self.lr_factor)
+        ]
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self.lower_mode = self.resolve_mode("auto", "train")
+        self.upper_mode = self.resolve_mode("auto", "heldout")
+        needs = "options" in (self.lower_mode, self.upper_mode)
+        self.option_ids = self.training_option_ids() if needs else None
+
+    def _scored(self, batch: dict, mode: str):
+        raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
+        return adjusted_predictions(self.model, raw, batch["labels"], mode, self.option_ids)
+
+    def lower_loss(self, batch: dict) -> torch.Tensor:
+        logits, targets = self._scored(batch, self.lower_mode)
+        return cross_entropy(logits, targets)
+
+    def upper_loss(self, batch: dict) -> torch.Tensor:
+        logits, targets = self._scored(batch, self.upper_mode)
+        return self.ce_weight * cross_entropy(logits, targets) - mean_entropy(logits)
+
+    def _step(self, loss: torch.Tensor, params: list, optimizer, name: str) -> None:
+        if first_non_finite(**{name: loss}):
+            self.fail_non_finite(name)
+        # Gradients only for this block: the other block stays frozen for this step.
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        if first_non_finite(**{f"{name} gradient": list(grads)}):
+            self.fail_non_finite(f"{name} gradient")
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        train = batch.get("train", batch)
+        opt_theta, opt_alpha = self.optimizers()
+        sched_theta = self.lr_schedulers()
+        theta = list(self.model.adapter_parameters().values())
+        alpha = list(self.model.head_parameters().values())
+        lower = self.lower_loss(train)
+        self._step(lower, theta, opt_theta, "lower loss")
+        sched_theta.step()
+        logs = {
+            "iterate/lower_loss": lower.item(),
+            "iterate/lr_lower": opt_theta.param_groups[0]["lr"],
+        }
+        self.outer_step += 1
+        if self.outer_step % self.lower_steps == 0:
+            if "heldout" not in batch:
+                raise ConfigError("Iterate's upper step needs held-out data (setting.heldout)")
+            upper = self.upper_loss(batch["heldout"])
+            for group in opt_alpha.param_groups:
+                group["lr"] = self.upper_lr * self.lr_factor(self.outer_step - 1)
+            self._step(upper, alpha, opt_alpha, "upper loss")
+            logs["iterate/upper_loss"] = upper.item()
+            logs.update({f"iterate/{k}": v for k, v in self.model.head.summary().items()})
+        self.log_dict(logs, on_step=True, on_epoch=False)

@@ -1,0 +1,267 @@
+"""Single-level training baselines sharing one loop: regularization, label smoothing and
+calibration-aware fine-tuning (CFT). Each differs only in its loss.
+
+One AdamW over every trainable tensor (adapters, and the head when a method has one), linear
+warmup then cosine, stepped by the method's own counter; manual optimization so that the
+non-finite check happens before any parameter moves, exactly as in CALM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from calm_lightning.errors import ConfigError
+from calm_lightning.methods.objectives import (
+    adjusted_predictions,
+    cross_entropy,
+    mean_entropy,
+    select_response_logits,
+)
+from calm_lightning.methods.training import TrainingMethod, first_non_finite, warmup_cosine
+
+N_BINS = 10
+
+
+def confidence_bins(confidence: torch.Tensor, n_bins: int = N_BINS) -> torch.Tensor:
+    """Equal-width bin index of each confidence; 1.0 lands in the last bin (as in metrics.py)."""
+    return (confidence * n_bins).floor().long().clamp(0, n_bins - 1)
+
+
+def bin_statistics(confidence: torch.Tensor, correct: torch.Tensor, n_bins: int = N_BINS):
+    """Per-bin accuracy and count of (confidence, correct) pairs; empty bins have accuracy 0
+    and count 0."""
+    bins = confidence_bins(confidence, n_bins)
+    count = torch.bincount(bins, minlength=n_bins).float()
+    hits = torch.bincount(bins, weights=correct.float(), minlength=n_bins)
+    return hits / count.clamp(min=1), count
+
+
+def initial_bin_statistics(batches) -> tuple[list, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From (ids, labels, probs, targets) batches of the initial model: every sample's id and
+    bin, and the per-bin accuracy and count."""
+    ids, confidence, correct = [], [], []
+    for batch_ids, _, probs, targets in batches:
+        top, prediction = probs.max(-1)
+        ids += list(batch_ids) if len(batch_ids) == len(top) else [None] * len(top)
+        confidence.append(top.detach().float().cpu())
+        correct.append((prediction == targets).cpu())
+    confidence_t, correct_t = torch.cat(confidence), torch.cat(correct)
+    accuracy, count = bin_statistics(confidence_t, correct_t)
+    return ids, confidence_bins(confidence_t), accuracy, count
+
+
+class SupervisedMethod(TrainingMethod):
+    """A single-level method: subclasses implement `loss(batch) -> (loss, logs)`."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        lr: float = 1e-4,
+        warmup_ratio: float = 0.2,
+        min_lr_ratio: float = 0.0,
+        betas: Sequence[float] = (0.9, 0.95),
+        weight_decay: float = 0.02,
+        objective: str = "auto",
+        initial_pass_batches: int | None = None,
+        **evaluation,
+    ) -> None:
+        super().__init__(model, tokenizer, **evaluation)
+        self.automatic_optimization = False
+        self.initial_pass_batches = initial_pass_batches
+        self.lr = float(lr)
+        self.warmup_ratio = float(warmup_ratio)
+        self.min_lr_ratio = float(min_lr_ratio)
+        self.betas = tuple(float(b) for b in betas)
+        self.weight_decay = float(weight_decay)
+        self.objective = objective
+        self.mode = "vocab"
+        self.option_ids: torch.Tensor | None = None
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError(f"{type(self).__name__} trains LoRA adapters: use peft=lora")
+        optimizer = torch.optim.AdamW(
+            params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+        total = int(self.trainer.estimated_stepping_batches)
+        factor = warmup_cosine(total, round(self.warmup_ratio * total), self.min_lr_ratio)
+        return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, factor)]
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self.mode = self.resolve_mode(self.objective, "train")
+        self.option_ids = self.training_option_ids() if self.mode == "options" else None
+
+    def scored_predictions(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(raw logits, scored logits, targets) of a training batch in this method's mode."""
+        raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
+        logits, targets = adjusted_predictions(
+            self.model, raw, batch["labels"], self.mode, self.option_ids
+        )
+        return raw, logits, targets
+
+    def loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        train = batch.get("train", batch)
+        loss, logs = self.loss(train)
+        if first_non_finite(loss=loss):
+            self.fail_non_finite("loss")
+        optimizer = self.optimizers()
+        optimizer.zero_grad(set_to_none=True)
+        self.manual_backward(loss)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if first_non_finite(gradient=grads):
+            optimizer.zero_grad(set_to_none=True)
+            self.fail_non_finite("gradient")
+        optimizer.step()
+        self.lr_schedulers().step()
+        self.outer_step += 1
+        name = type(self).__name__.lower()
+        logs = {f"{name}/{k}": v for k, v in logs.items()}
+        logs[f"{name}/loss"] = loss.item()
+        logs[f"{name}/lr"] = optimizer.param_groups[0]["lr"]
+        self.log_dict(logs, on_step=True, on_epoch=False)
+        self.log("loss", loss.item(), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+    @torch.no_grad()
+    def initial_predictions(self):
+        """Yield (ids, labels, probabilities, targets) of the untouched model over the training
+        split in a fixed order (one pass, as LS and CFT need before training); at most
+        `initial_pass_batches` batches when set."""
+        datamodule = self.trainer.datamodule
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for index, batch in enumerate(datamodule.ordered_train_dataloader()):
+                if self.initial_pass_batches is not None and index >= self.initial_pass_batches:
+                    break
+                batch = {
+                    k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()
+                }
+                _, logits, targets = self.scored_predictions(batch)
+                yield batch["ids"], batch["labels"], logits.float().softmax(-1), targets
+        finally:
+            self.model.train(was_training)
+
+
+class Regularization(SupervisedMethod):
+    """L = CE(y, p) - alpha_reg * H(p): the entropy objective as a single-level penalty."""
+
+    def __init__(self, model, tokenizer=None, alpha_reg: float = 1e-5, **kwargs) -> None:
+        super().__init__(model, tokenizer, **kwargs)
+        self.alpha_reg = float(alpha_reg)
+
+    def loss(self, batch):
+        _, logits, targets = self.scored_predictions(batch)
+        ce, entropy = cross_entropy(logits, targets), mean_entropy(logits)
+        return ce - self.alpha_reg * entropy, {"ce": ce.item(), "entropy": entropy.item()}
+
+
+def smoothed_targets(answer: torch.Tensor, accuracy: torch.Tensor, n_options: int) -> torch.Tensor:
+    """Soft labels: the gold option gets `accuracy`, the rest 1 - accuracy spread uniformly."""
+    rest = (1 - accuracy) / (n_options - 1)
+    targets = rest[:, None].expand(-1, n_options).clone()
+    targets.scatter_(1, answer[:, None], accuracy[:, None])
+    return targets
+
+
+def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return -(targets * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+
+
+class LabelSmoothing(SupervisedMethod):
+    """Label smoothing with a per-sample epsilon from the initial model's confidence bin:
+    a sample whose initial confidence falls in bin b has eps = 1 - acc_b (acc_b: the initial
+    model's accuracy in that bin over the training set)."""
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self.initial_pass_batches = None  # every training sample needs its own bin
+        if self.mode != "options":
+            raise ConfigError(
+                "label smoothing needs option labels (an MCQA training split, e.g. setting=id)"
+            )
+        ids, bins, self.bin_accuracy, _ = initial_bin_statistics(self.initial_predictions())
+        # One prediction per MCQA example (the answer slot), so ids line up with bins.
+        self.sample_accuracy = {
+            i: float(self.bin_accuracy[b]) for i, b in zip(ids, bins.tolist(), strict=True)
+        }
+
+    def loss(self, batch):
+        _, logits, targets = self.scored_predictions(batch)
+        accuracy = torch.tensor(
+            [self.sample_accuracy[i] for i in batch["ids"]],
+            device=logits.device,
+            dtype=torch.float32,
+        )
+        soft = smoothed_targets(targets, accuracy, logits.shape[-1])
+        return soft_cross_entropy(logits, soft), {"mean_eps": float((1 - accuracy).mean())}
+
+
+def cft_targets(rest: torch.Tensor, accuracy: torch.Tensor) -> torch.Tensor:
+    """Targets for the non-max probabilities (sorted descending, shape (N, K - 1)): they sum to
+    1 - acc and grow monotonically with the current probabilities,
+    t_j proportional to 1 + tanh(gamma p_j), gamma = ln(K - 1) / (p_(2) (1 - acc))."""
+    k = rest.shape[-1] + 1
+    gamma = math.log(k - 1) / (rest[:, 0] * (1 - accuracy)).clamp(min=1e-6)
+    weights = 1 + torch.tanh(gamma[:, None] * rest)
+    return (1 - accuracy)[:, None] * weights / weights.sum(-1, keepdim=True)
+
+
+def cft_calibration_loss(
+    probs: torch.Tensor, bin_accuracy: torch.Tensor, bin_count: torch.Tensor
+) -> torch.Tensor:
+    """CFT's L_cal: over the bins of the current top probability,
+    sum_k (1/N_k) [sum_i (p_max,i - acc_k)^2 + sum_i sum_{j>=2} (p_(j),i - t_(j),i)^2]
+    with acc_k, N_k frozen from the initial model (targets are constants)."""
+    ordered, _ = probs.sort(dim=-1, descending=True)
+    top, rest = ordered[:, 0], ordered[:, 1:]
+    bins = confidence_bins(top.detach())
+    accuracy, count = bin_accuracy[bins], bin_count[bins].clamp(min=1)
+    targets = cft_targets(rest.detach(), accuracy)
+    per_sample = (top - accuracy) ** 2 + ((rest - targets) ** 2).sum(-1)
+    return (per_sample / count).sum()
+
+
+class CFT(SupervisedMethod):
+    """Calibration-aware fine-tuning: (1 - w) L_SFT + w c L_cal (c = 1e-3).
+
+    L_SFT is next-token cross-entropy on every response token. L_cal acts on the method's
+    prediction distributions: the option letters for MCQA data, and for instruction / open QA
+    data each response position's full next-token distribution (a V-way classification whose
+    per-bin accuracy is the initial model's top-1 next-token accuracy).
+    """
+
+    def __init__(
+        self, model, tokenizer=None, weight: float = 0.5, scale: float = 1e-3, **kwargs
+    ) -> None:
+        super().__init__(model, tokenizer, **kwargs)
+        self.weight = float(weight)
+        self.scale = float(scale)
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        _, _, accuracy, count = initial_bin_statistics(self.initial_predictions())
+        # A bin the initial model never reached has no accuracy; its centre stands in (no pull).
+        centres = (torch.arange(N_BINS) + 0.5) / N_BINS
+        self.bin_accuracy = torch.where(count > 0, accuracy, centres).to(self.device)
+        self.bin_count = count.to(self.device)
+
+    def loss(self, batch):
+        raw, logits, targets = self.scored_predictions(batch)
+        if self.mode == "options":
+            selected, next_tokens = select_response_logits(raw, batch["labels"])
+            sft = cross_entropy(self.model.adjust(selected), next_tokens)
+        else:
+            sft = cross_entropy(logits, targets)  # the same response positions already
+        cal = cft_calibration_loss(logits.float().softmax(-1), self.bin_accuracy, self.bin_count)
+        loss = (1 - self.weight) * sft + self.weight * self.scale * cal
+        return loss, {"sft": sft.item(), "cal": cal.item()}
