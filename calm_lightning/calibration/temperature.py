@@ -38,7 +38,8 @@ def fit_temperature(
     """T = argmin_T mean NLL(softmax(logits / T), labels) over `bounds` (float64 arithmetic).
 
     `logits` is (N, K): option logits, or next-token logits over a vocabulary (then chunks of
-    `chunk` rows keep the float64 copies small). Warns when T lands on a bound.
+    `chunk` rows, by default ~4M elements, keep the float64 copies small). Warns when T lands
+    on a bound.
     """
     logits = torch.as_tensor(logits)
     labels = torch.as_tensor(labels, dtype=torch.long)
@@ -46,6 +47,7 @@ def fit_temperature(
         raise ValueError("fit_temperature needs logits (N, K) and labels (N,)")
     if logits.shape[0] == 0:
         raise ValueError("fit_temperature needs at least one example")
+    chunk = chunk or max(1, 2**22 // logits.shape[1])
     result = minimize_scalar(
         lambda t: _nll(logits, labels, float(t), chunk),
         bounds=bounds,
