@@ -65,6 +65,12 @@ def check_method_fits_setting(cfg: DictConfig, sources: dict) -> None:
         raise ConfigError(
             f"method={cfg.method.name} cannot run in setting={cfg.setting.name}: {reason}"
         )
+    if getattr(sources.get("test"), "kind", None) == "openqa":
+        raise ConfigError(
+            f"setting={cfg.setting.name} is evaluated on open-ended QA (sampling + Sem-ECE), "
+            "which this version cannot score yet; its train / held-out data and prompts are "
+            "ready (CalibrationDataModule)"
+        )
     if requires.get("heldout") and sources.get("heldout") is None:
         raise ConfigError(
             f"method={cfg.method.name} needs held-out data, which setting={cfg.setting.name} "
