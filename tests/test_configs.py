@@ -90,3 +90,21 @@ def test_unknown_group_option_lists_the_valid_choices(tmp_path):
 def test_unknown_key_is_rejected(tmp_path):
     with pytest.raises(ConfigCompositionException, match="evaluation.colour"):
         compose_run(["evaluation.colour=red"], tmp_path)
+
+
+@pytest.mark.parametrize("sweep", options("sweep"))
+def test_every_sweep_composes_as_a_multirun(sweep, tmp_path):
+    from hydra import compose, initialize_config_module
+    from hydra.types import RunMode
+
+    with initialize_config_module("calm_lightning.conf", version_base="1.3"):
+        cfg = compose(
+            "run",
+            overrides=[f"+sweep={sweep}", f"paths.output_dir={tmp_path}"],
+            return_hydra_config=True,
+        )
+    assert cfg.hydra.mode == RunMode.MULTIRUN
+    params = dict(cfg.hydra.sweeper.params)
+    assert params and all("," in str(v) for v in params.values())
+    first_line = (CONF / "sweep" / f"{sweep}.yaml").read_text().splitlines()[1]
+    assert first_line.startswith("# ") and "?" in first_line or ":" in first_line

@@ -1,0 +1,40 @@
+"""`python -m calm_lightning.report <run or sweep dirs> [--out DIR] [--min-accuracy-ratio 0.8]`:
+paper-style tables, chosen hyper-parameters and a reliability-diagram grid from finished runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from calm_lightning.reporting.report import collect_runs, write_report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dirs", nargs="+", help="run or multirun directories to read")
+    parser.add_argument("--out", help="where to write (default: <first dir>/report)")
+    parser.add_argument(
+        "--min-accuracy-ratio",
+        type=float,
+        default=0.8,
+        help="keep runs whose accuracy exceeds this fraction of base (paper: 0.8)",
+    )
+    args = parser.parse_args(argv)
+    missing = [d for d in args.dirs if not Path(d).is_dir()]
+    if missing:
+        parser.error(f"not a directory: {', '.join(missing)}")
+    runs = collect_runs(args.dirs)
+    if not runs:
+        parser.error("no runs found (no config_resolved.yaml below the given directories)")
+    out = Path(args.out) if args.out else Path(args.dirs[0]) / "report"
+    result = write_report(runs, out, args.min_accuracy_ratio)
+    print((out / "report.md").read_text())
+    print(
+        f"written: {out}/report.md, results.csv, selected.csv"
+        + (", reliability_grid.png" if result["grid"] else "")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

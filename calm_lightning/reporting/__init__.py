@@ -1,0 +1,1 @@
+"""Sweep aggregation: selection rule, paper-style tables, reliability-diagram grids."""

@@ -1,0 +1,138 @@
+"""Sweeps and reports: the selection rule on fabricated runs with a known answer, tables that
+equal their inputs, failed jobs reported, and a real tiny-model multirun with one failing job."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from calm_lightning.report import main as report_main
+from calm_lightning.reporting.report import collect_runs, select
+
+
+def _fake_run(
+    root: Path,
+    name: str,
+    method: str,
+    metrics: dict | None,
+    seed: int = 0,
+    lower_lr: float = 1e-3,
+    base: dict | None = None,
+    error: str | None = None,
+):
+    run = root / name
+    run.mkdir(parents=True)
+    config = {
+        "seed": seed,
+        "model": {"name": "m"},
+        "setting": {"name": "ood"},
+        "method": {"name": method, "module": {"lower_lr": lower_lr}},
+        "paths": {"output_dir": str(run)},
+    }
+    OmegaConf.save(OmegaConf.create(config), run / "config_resolved.yaml")
+    if metrics is not None:
+        full = {
+            "accuracy": 0.0,
+            "conf_ece": 0.0,
+            "cw_ece": 0.0,
+            "mce": 0.0,
+            "brier": 0.0,
+            "nll": 0.0,
+            "ace": 0.0,
+            "mean_confidence": 0.0,
+            "n": 10,
+        } | metrics
+        payload = {"metrics": full, "comparison": {"base": base} if base else {}}
+        (run / "metrics.json").write_text(json.dumps(payload))
+    if error:
+        (run / "failed.json").write_text(json.dumps({"error": error}))
+    return run
+
+
+def test_selection_rule_respects_the_accuracy_constraint(tmp_path):
+    _fake_run(tmp_path, "base", "base", {"accuracy": 0.60, "conf_ece": 0.20, "cw_ece": 0.10})
+    # Lowest conf-ECE but accuracy 0.40 < 0.8 * 0.60 = 0.48: not eligible.
+    _fake_run(
+        tmp_path, "a", "calm", {"accuracy": 0.40, "conf_ece": 0.01, "cw_ece": 0.05}, lower_lr=1e-1
+    )
+    _fake_run(
+        tmp_path, "b", "calm", {"accuracy": 0.55, "conf_ece": 0.08, "cw_ece": 0.07}, lower_lr=1e-2
+    )
+    _fake_run(
+        tmp_path, "c", "calm", {"accuracy": 0.59, "conf_ece": 0.12, "cw_ece": 0.04}, lower_lr=1e-3
+    )
+    _fake_run(tmp_path, "d", "calm", None, lower_lr=1e-4, error="RuntimeError: boom")
+    runs = collect_runs([tmp_path])
+    choices = {c.method: c for c in select(runs)}
+    assert choices["calm"].params == {"method.module.lower_lr": 1e-2}
+    assert choices["calm"].mean["conf_ece"] == 0.08 and choices["calm"].feasible
+    # With a looser rule the low-accuracy run wins.
+    loose = {c.method: c for c in select(runs, min_accuracy_ratio=0.5)}
+    assert loose["calm"].params == {"method.module.lower_lr": 1e-1}
+
+
+def test_seeds_are_averaged_and_tables_equal_the_inputs(tmp_path, capsys):
+    for seed, (acc, ece) in enumerate([(0.50, 0.10), (0.54, 0.14)]):
+        _fake_run(
+            tmp_path,
+            f"s{seed}",
+            "calm",
+            {"accuracy": acc, "conf_ece": ece, "cw_ece": 0.05},
+            seed=seed,
+            base={"accuracy": 0.6, "conf_ece": 0.3},
+        )
+    _fake_run(tmp_path, "f", "reg", None, error="ValueError: bad")
+    assert report_main([str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert "0.1200 ± 0.0200" in report  # mean ± population std of 0.10 and 0.14
+    assert "52.00% ± 2.00" in report
+    assert "ValueError: bad" in report  # the failed job is listed, not fatal
+    with (tmp_path / "rep" / "selected.csv").open() as handle:
+        (row,) = list(csv.DictReader(handle))
+    assert float(row["conf_ece"]) == pytest.approx(0.12) and row["n_seeds"] == "2"
+    with (tmp_path / "rep" / "results.csv").open() as handle:
+        statuses = sorted(r["status"] for r in csv.DictReader(handle))
+    assert statuses == ["failed: ValueError: bad", "ok", "ok"]
+
+
+def test_tiny_multirun_sweep_with_a_failing_job_then_report(tmp_path):
+    """A 2 x 2 grid through Hydra's basic launcher; one job gets an invalid head kind."""
+    args = [
+        sys.executable,
+        "-m",
+        "calm_lightning.run",
+        "--multirun",
+        "model=tiny",
+        "method=calm",
+        "peft.r=4",
+        "setting.test.limit=8",
+        "trainer.limit_train_batches=1",
+        "method.module.inner_steps=1",
+        "trainer.enable_progress_bar=false",
+        "evaluation.compare_with_base=false",
+        "logger=none",
+        "callbacks=none",
+        "method.module.lower_lr=1e-4,1e-3",
+        "method.head.kind=vector,wrong",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+    ]
+    done = subprocess.run(
+        args, capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1")
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    jobs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert len(jobs) == 4
+    failed = [j for j in jobs if (j / "failed.json").is_file()]
+    assert len(failed) == 2 and all((j / "metrics.json").is_file() for j in jobs if j not in failed)
+    assert "head kind 'wrong'" in (failed[0] / "failed.json").read_text()
+    assert report_main([str(tmp_path / "sweep")]) == 0
+    report = (tmp_path / "sweep" / "report" / "report.md").read_text()
+    assert "2 finished runs, 2 failed" in report
+    assert (tmp_path / "sweep" / "report" / "reliability_grid.png").is_file()
