@@ -110,6 +110,19 @@ def build_method(cfg: DictConfig, model: CalibratedLM, tokenizer):
     )
 
 
+def resolve_checkpoint(cfg: DictConfig) -> str | None:
+    """`ckpt_path` may name a checkpoint file or a run directory (its checkpoints/last.ckpt)."""
+    value = cfg.get("ckpt_path")
+    if not value:
+        return None
+    path = Path(str(value)).expanduser()
+    if path.is_dir():
+        path = path / "checkpoints" / "last.ckpt"
+    if not path.is_file():
+        raise ConfigError(f"ckpt_path={value}: no checkpoint at {path}")
+    return str(path)
+
+
 def build_loggers(cfg: DictConfig) -> list:
     return [instantiate(node) for node in (cfg.get("logger") or {}).values() if node]
 
@@ -166,7 +179,7 @@ def run_experiment(cfg: DictConfig) -> dict:
             timings["evaluate_base_s"] = time.perf_counter() - start
         if module.trains:
             start = time.perf_counter()
-            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("resume"))
+            trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_checkpoint(cfg))
             timings["fit_s"] = time.perf_counter() - start
             module.save_calibration(out / "calibration")
         if posthoc:

@@ -107,4 +107,4 @@ def test_every_sweep_composes_as_a_multirun(sweep, tmp_path):
     params = dict(cfg.hydra.sweeper.params)
     assert params and all("," in str(v) for v in params.values())
     first_line = (CONF / "sweep" / f"{sweep}.yaml").read_text().splitlines()[1]
-    assert first_line.startswith("# ") and "?" in first_line or ":" in first_line
+    assert first_line.startswith("# ") and ("?" in first_line or ":" in first_line)

@@ -34,6 +34,28 @@ def as_training_example(record: MCQARecord | InstructionRecord | OpenQARecord) -
     )
 
 
+class EpochShuffleSampler(torch.utils.data.Sampler):
+    """A permutation that depends only on (seed, epoch).
+
+    Lightning calls `set_epoch` at every epoch start, so a run resumed from an epoch-end
+    checkpoint sees exactly the batches an uninterrupted run would have seen (a generator
+    carried along inside the loader would restart from its seed instead).
+    """
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class CalibrationDataModule(L.LightningDataModule):
     """Loaders for a setting: `train` (+ `heldout`, combined) for fitting, `test` for MCQA."""
 
@@ -113,8 +135,7 @@ class CalibrationDataModule(L.LightningDataModule):
         return DataLoader(
             examples,
             batch_size=batch_size,
-            shuffle=shuffle,
-            generator=torch.Generator().manual_seed(self.seed + offset),
+            sampler=EpochShuffleSampler(len(examples), self.seed + offset) if shuffle else None,
             collate_fn=self.train_collator,
             num_workers=self.num_workers,
             drop_last=shuffle and len(examples) >= batch_size,

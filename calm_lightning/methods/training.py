@@ -108,9 +108,25 @@ class TrainingMethod(CalibrationMethod):
         keep = self.trainable_names()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         checkpoint["outer_step"] = self.outer_step
+        # LoRA dropout draws from the global generator: restoring it makes a resumed run
+        # continue with the same masks an uninterrupted run would have drawn.
+        checkpoint["torch_rng_state"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            checkpoint["cuda_rng_state"] = torch.cuda.get_rng_state_all()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.outer_step = int(checkpoint.get("outer_step", 0))
+        self._resume_rng = (checkpoint.get("torch_rng_state"), checkpoint.get("cuda_rng_state"))
+
+    def on_train_start(self) -> None:
+        # Restored here, not in on_load_checkpoint: Lightning loads the checkpoint before
+        # anything else of the fit runs, and nothing after this point may draw first.
+        cpu, cuda = getattr(self, "_resume_rng", (None, None))
+        if cpu is not None:
+            torch.set_rng_state(cpu)
+        if cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda)
+        self._resume_rng = (None, None)
 
     def save_last_good(self) -> str | None:
         """Write a checkpoint of the current (still finite) state; return its path."""
