@@ -30,6 +30,14 @@ def resolve_precision(value: str | int) -> str | int:
     return auto_precision() if str(value) == "auto" else value
 
 
+def in_multirun() -> bool:
+    """True inside a job of a Hydra multirun (sweep)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def register_resolvers() -> None:
     """Register `${calm_precision:auto}`; safe to call more than once."""
     if not OmegaConf.has_resolver("calm_precision"):

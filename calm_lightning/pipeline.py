@@ -123,8 +123,75 @@ def resolve_checkpoint(cfg: DictConfig) -> str | None:
     return str(path)
 
 
+WANDB_ID_FILE = "wandb_id.txt"
+
+
+def _wandb_overrides(cfg: DictConfig, node: DictConfig) -> dict:
+    """Run id kept in the output dir (a resumed run continues the same W&B run) and, in a
+    multirun, a group named after the sweep."""
+    out = Path(cfg.paths.output_dir)
+    extra: dict = {}
+    if not node.get("id"):
+        previous = resolve_checkpoint(cfg)
+        candidates = [out / WANDB_ID_FILE]
+        if previous:
+            candidates.insert(0, Path(previous).parent.parent / WANDB_ID_FILE)
+        found = next((c for c in candidates if c.is_file()), None)
+        if found:
+            run_id = found.read_text().strip()
+        else:
+            import secrets
+
+            # W&B run ids are short lowercase alphanumerics; any unique such string works.
+            run_id = secrets.token_hex(4)
+        (out / WANDB_ID_FILE).write_text(run_id)
+        extra["id"] = run_id
+    if not node.get("group"):
+        from calm_lightning.config import in_multirun
+
+        if in_multirun():
+            from hydra.core.hydra_config import HydraConfig
+
+            extra["group"] = Path(HydraConfig.get().sweep.dir).name
+        else:
+            extra["group"] = cfg.setting.name
+    return extra
+
+
 def build_loggers(cfg: DictConfig) -> list:
-    return [instantiate(node) for node in (cfg.get("logger") or {}).values() if node]
+    loggers = []
+    for node in (cfg.get("logger") or {}).values():
+        if not node:
+            continue
+        is_wandb = str(node.get("_target_", "")).endswith("WandbLogger")
+        loggers.append(instantiate(node, **(_wandb_overrides(cfg, node) if is_wandb else {})))
+    return loggers
+
+
+def publish_to_wandb(loggers: list, cfg: DictConfig, out: Path, rows: dict) -> None:
+    """Final metrics into the run summary, the resolved config (flattened), the reliability
+    diagram as an image and the per-example predictions as a table."""
+    for logger in loggers:
+        if type(logger).__name__ != "WandbLogger":
+            continue
+        import pandas as pd
+        import wandb
+
+        flat = pd.json_normalize(OmegaConf.to_container(cfg, resolve=True), sep=".")
+        logger.log_hyperparams(flat.iloc[0].to_dict())
+        run = logger.experiment
+        for method, metrics in rows.items():
+            run.summary.update({f"{method}/{k}": v for k, v in metrics.items()})
+        run.log({"reliability": wandb.Image(str(out / "reliability.png"))})
+        rows_json = [
+            json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()
+        ]
+        columns = ["id", "label", "prediction", "confidence", "correct", "probs"]
+        table = wandb.Table(
+            columns=columns,
+            data=[[r[c] if c != "probs" else json.dumps(r[c]) for c in columns] for r in rows_json],
+        )
+        run.log({"predictions": table})
 
 
 def build_callbacks(cfg: DictConfig) -> list:
@@ -195,6 +262,7 @@ def run_experiment(cfg: DictConfig) -> dict:
         timings["evaluate_s"] = time.perf_counter() - start
         rows[cfg.method.name] = metrics
         _annotate_metrics(out, rows, timings, extras)
+        publish_to_wandb(loggers, cfg, out, rows)
         datamodule.write_summary(out)
         title = f"{cfg.model.name} / {cfg.setting.name}"
         print(f"\n{title}  (n = {metrics['n']} test questions, outputs in {out})")

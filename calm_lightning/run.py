@@ -10,22 +10,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from calm_lightning import config  # noqa: F401  (registers the config resolvers)
+from calm_lightning.config import in_multirun  # importing config registers the resolvers
 
 log = logging.getLogger(__name__)
 FAILED_FILE = "failed.json"
 
 
-def _in_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
 @hydra.main(version_base="1.3", config_path="conf", config_name="run")
 def main(cfg: DictConfig) -> float | None:
-    """Run one job; returns conf-ECE so Hydra sweepers can minimise it.
+    """Run one job; returns the sweep objective (conf-ECE, penalised below the accuracy bar).
 
     In a multirun a failing job is recorded in its output dir (failed.json) and the sweep goes
     on with the next job; a single run fails loudly.
@@ -35,7 +28,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         metrics = run_experiment(cfg)
     except Exception as err:
-        if not _in_multirun():
+        if not in_multirun():
             raise
         out = Path(cfg.paths.output_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +43,19 @@ def main(cfg: DictConfig) -> float | None:
         )
         log.error("job failed, the sweep continues: %s: %s", type(err).__name__, err)
         return None
-    return metrics.get("conf_ece")
+    return sweep_objective(cfg, metrics)
+
+
+def sweep_objective(cfg: DictConfig, metrics: dict) -> float:
+    """conf-ECE, plus 1 when accuracy falls to or below `min_accuracy_ratio` x the base
+    model's accuracy measured in the same run (the paper's selection rule as one number)."""
+    objective = float(metrics["conf_ece"])
+    payload = json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text())
+    base = (payload.get("comparison") or {}).get("base")
+    ratio = float(cfg.evaluation.get("min_accuracy_ratio", 0.8))
+    if base and metrics["accuracy"] <= ratio * base["accuracy"]:
+        objective += 1.0
+    return objective
 
 
 if __name__ == "__main__":

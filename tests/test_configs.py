@@ -108,3 +108,35 @@ def test_every_sweep_composes_as_a_multirun(sweep, tmp_path):
     assert params and all("," in str(v) for v in params.values())
     first_line = (CONF / "sweep" / f"{sweep}.yaml").read_text().splitlines()[1]
     assert first_line.startswith("# ") and ("?" in first_line or ":" in first_line)
+
+
+def test_cluster_launcher_and_optuna_sweeper_compose(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("calm_lightning.conf", version_base="1.3"):
+        cfg = compose(
+            "run",
+            overrides=[
+                "hydra/launcher=slurm",
+                "+sweep=optuna_calm",
+                f"paths.output_dir={tmp_path}",
+            ],
+            return_hydra_config=True,
+        )
+    assert "submitit" in cfg.hydra.launcher._target_ and cfg.hydra.launcher.gpus_per_node == 1
+    assert "optuna" in cfg.hydra.sweeper._target_.lower()
+    assert cfg.hydra.sweeper.direction == "minimize" and cfg.method.name == "calm"
+
+
+def test_sweep_objective_penalises_lost_accuracy(tmp_path):
+    import json
+
+    from calm_lightning.run import sweep_objective
+
+    cfg = compose_run([], tmp_path)
+    payload = {"comparison": {"base": {"accuracy": 0.5}}}
+    (tmp_path / "metrics.json").write_text(json.dumps(payload))
+    assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.45}) == pytest.approx(0.1)
+    assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.39}) == pytest.approx(1.1)

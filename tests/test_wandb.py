@@ -1,0 +1,89 @@
+"""W&B offline: the run files hold the metrics, the flattened config, the reliability image and
+the predictions table; the run id is kept in the output dir for resumes."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from calm_lightning.pipeline import run_experiment
+from tests.conftest import compose_run
+
+pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
+
+BLOCK, HEADER = 32768, 7
+
+
+def read_wandb_records(path) -> list:
+    """Records of a .wandb file (W&B's LevelDB-style log: 32 KiB blocks, 7-byte record
+    headers of crc32 / length / type), written here because wandb no longer ships a reader."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    records, pending, pos = [], b"", HEADER
+    while pos + HEADER <= len(data):
+        if BLOCK - pos % BLOCK < HEADER:  # block trailer too short for a header: padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        chunk = data[pos + HEADER : pos + HEADER + length]
+        pos += HEADER + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind in (2, 3):
+            pending = (b"" if kind == 2 else pending) + chunk
+        elif kind == 4:
+            records.append(pending + chunk)
+    parsed = []
+    for raw in records:
+        record = pb.Record()
+        record.ParseFromString(raw)
+        parsed.append(record)
+    return parsed
+
+
+def _values(records, kind: str) -> dict:
+    out = {}
+    for record in records:
+        if record.WhichOneof("record_type") != kind:
+            continue
+        items = {
+            "summary": lambda r: r.summary.update,
+            "history": lambda r: r.history.item,
+            "config": lambda r: r.config.update,
+        }[kind](record)
+        for item in items:
+            key = item.key or "/".join(item.nested_key)
+            out[key] = json.loads(item.value_json)
+    return out
+
+
+def test_offline_wandb_run_holds_metrics_config_image_and_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = compose_run(
+        [
+            "model=tiny",
+            "method=base",
+            "setting.test.limit=8",
+            "logger=wandb",
+            "trainer.enable_progress_bar=false",
+        ],
+        tmp_path,
+    )
+    metrics = run_experiment(cfg)
+    (run_file,) = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    run_id = (tmp_path / "wandb_id.txt").read_text().strip()
+    assert run_file.name == f"run-{run_id}.wandb"
+    records = read_wandb_records(run_file)
+    summary = _values(records, "summary")
+    history = _values(records, "history")
+    assert summary["base/conf_ece"] == pytest.approx(metrics["conf_ece"])
+    assert history["test/accuracy"] == pytest.approx(metrics["accuracy"])
+    config = _values(records, "config")
+    assert config["model.name"] == "tiny" and config["seed"] == 0  # flattened, readable keys
+    media = run_file.parent / "files" / "media"
+    assert list(media.glob("images/reliability_*.png"))
+    (table,) = list(media.glob("table/predictions_*.table.json"))
+    assert len(json.loads(table.read_text())["data"]) == 8
