@@ -34,7 +34,6 @@ from calm_lightning.methods.training import (
     TrainingMethod,
     clamp_,
     first_non_finite,
-    warmup_cosine,
 )
 
 UPPER_OBJECTIVES = ("auto", "vocab", "options")
@@ -120,14 +119,12 @@ class CALM(TrainingMethod):
         lower_lr: float = 1e-3,
         upper_lr: float = 1e-5,
         clamp: float = 10.0,
-        warmup_ratio: float = 0.4,
-        min_lr_ratio: float = 0.0,
-        betas: Sequence[float] = (0.9, 0.95),
-        weight_decay: float = 0.02,
         upper_objective: str = "auto",
-        **evaluation,
+        **kwargs,
     ) -> None:
-        super().__init__(model, tokenizer, **evaluation)
+        """`kwargs`: warmup_ratio, min_lr_ratio, betas, weight_decay (TrainingMethod) and the
+        shared evaluation options."""
+        super().__init__(model, tokenizer, **kwargs)
         if upper_objective not in UPPER_OBJECTIVES:
             raise ConfigError(
                 f"upper_objective={upper_objective!r} is not one of {', '.join(UPPER_OBJECTIVES)}"
@@ -142,10 +139,6 @@ class CALM(TrainingMethod):
         self.lower_lr = float(lower_lr)
         self.upper_lr = float(upper_lr)
         self.clamp = float(clamp)
-        self.warmup_ratio = float(warmup_ratio)
-        self.min_lr_ratio = float(min_lr_ratio)
-        self.betas = tuple(float(b) for b in betas)
-        self.weight_decay = float(weight_decay)
         self.upper_objective = upper_objective
         # Resolved from the data in on_fit_start; these defaults serve direct (test) use.
         self.lower_mode = "vocab"
@@ -163,14 +156,9 @@ class CALM(TrainingMethod):
 
     def configure_optimizers(self):
         _, theta = self._theta()
-        opt_theta = torch.optim.AdamW(
-            theta, lr=self.lower_lr, betas=self.betas, weight_decay=self.weight_decay
-        )
-        opt_alpha = torch.optim.AdamW(
-            self._alpha(), lr=self.upper_lr, betas=self.betas, weight_decay=self.weight_decay
-        )
-        total = int(self.trainer.estimated_stepping_batches)
-        factor = warmup_cosine(total, round(self.warmup_ratio * total), self.min_lr_ratio)
+        opt_theta = self.adamw(theta, self.lower_lr)
+        opt_alpha = self.adamw(self._alpha(), self.upper_lr)
+        factor = self.lr_factor_schedule()
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in (opt_theta, opt_alpha)]
         return [opt_theta, opt_alpha], schedulers
 

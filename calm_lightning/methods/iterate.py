@@ -7,13 +7,11 @@ batch (adapters frozen). Plain gradients of each objective; two AdamW optimizers
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.objectives import adjusted_predictions, cross_entropy, mean_entropy
-from calm_lightning.methods.training import TrainingMethod, first_non_finite, warmup_cosine
+from calm_lightning.methods.training import TrainingMethod, first_non_finite
 
 
 class Iterate(TrainingMethod):
@@ -25,22 +23,15 @@ class Iterate(TrainingMethod):
         lower_lr: float = 1e-3,
         upper_lr: float = 1e-5,
         ce_weight: float = 0.9,
-        warmup_ratio: float = 0.4,
-        min_lr_ratio: float = 0.0,
-        betas: Sequence[float] = (0.9, 0.95),
-        weight_decay: float = 0.02,
-        **evaluation,
+        **kwargs,
     ) -> None:
-        super().__init__(model, tokenizer, **evaluation)
+        super().__init__(model, tokenizer, **kwargs)
         if model.head is None:
             raise ConfigError("Iterate tunes a logit-adjustment head: set method.head")
         self.automatic_optimization = False
         self.lower_steps = int(lower_steps)
         self.lower_lr, self.upper_lr = float(lower_lr), float(upper_lr)
         self.ce_weight = float(ce_weight)
-        self.warmup_ratio, self.min_lr_ratio = float(warmup_ratio), float(min_lr_ratio)
-        self.betas = tuple(float(b) for b in betas)
-        self.weight_decay = float(weight_decay)
         self.lower_mode = self.upper_mode = "vocab"
         self.option_ids: torch.Tensor | None = None
 
@@ -49,14 +40,9 @@ class Iterate(TrainingMethod):
         if not theta:
             raise ConfigError("Iterate trains LoRA adapters: use peft=lora")
         alpha = list(self.model.head_parameters().values())
-        opt_theta = torch.optim.AdamW(
-            theta, lr=self.lower_lr, betas=self.betas, weight_decay=self.weight_decay
-        )
-        opt_alpha = torch.optim.AdamW(
-            alpha, lr=self.upper_lr, betas=self.betas, weight_decay=self.weight_decay
-        )
-        total = int(self.trainer.estimated_stepping_batches)
-        self.lr_factor = warmup_cosine(total, round(self.warmup_ratio * total), self.min_lr_ratio)
+        opt_theta = self.adamw(theta, self.lower_lr)
+        opt_alpha = self.adamw(alpha, self.upper_lr)
+        self.lr_factor = self.lr_factor_schedule()
         # The head steps only every `lower_steps` batches; its LR is set from the same factor
         # at each of its steps instead of by a scheduler that would step without it.
         return [opt_theta, opt_alpha], [

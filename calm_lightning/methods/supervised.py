@@ -9,7 +9,6 @@ non-finite check happens before any parameter moves, exactly as in CALM.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,7 @@ from calm_lightning.methods.objectives import (
     mean_entropy,
     select_response_logits,
 )
-from calm_lightning.methods.training import TrainingMethod, first_non_finite, warmup_cosine
+from calm_lightning.methods.training import TrainingMethod, first_non_finite
 
 N_BINS = 10
 
@@ -62,22 +61,15 @@ class SupervisedMethod(TrainingMethod):
         model,
         tokenizer=None,
         lr: float = 1e-4,
-        warmup_ratio: float = 0.2,
-        min_lr_ratio: float = 0.0,
-        betas: Sequence[float] = (0.9, 0.95),
-        weight_decay: float = 0.02,
         objective: str = "auto",
         initial_pass_batches: int | None = None,
-        **evaluation,
+        warmup_ratio: float = 0.2,
+        **kwargs,
     ) -> None:
-        super().__init__(model, tokenizer, **evaluation)
+        super().__init__(model, tokenizer, warmup_ratio=warmup_ratio, **kwargs)
         self.automatic_optimization = False
         self.initial_pass_batches = initial_pass_batches
         self.lr = float(lr)
-        self.warmup_ratio = float(warmup_ratio)
-        self.min_lr_ratio = float(min_lr_ratio)
-        self.betas = tuple(float(b) for b in betas)
-        self.weight_decay = float(weight_decay)
         self.objective = objective
         self.mode = "vocab"
         self.option_ids: torch.Tensor | None = None
@@ -86,12 +78,10 @@ class SupervisedMethod(TrainingMethod):
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ConfigError(f"{type(self).__name__} trains LoRA adapters: use peft=lora")
-        optimizer = torch.optim.AdamW(
-            params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
-        )
-        total = int(self.trainer.estimated_stepping_batches)
-        factor = warmup_cosine(total, round(self.warmup_ratio * total), self.min_lr_ratio)
-        return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, factor)]
+        optimizer = self.adamw(params, self.lr)
+        return [optimizer], [
+            torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor_schedule())
+        ]
 
     def on_fit_start(self) -> None:
         super().on_fit_start()

@@ -59,11 +59,35 @@ class TrainingMethod(CalibrationMethod):
 
     trains = True
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        warmup_ratio: float = 0.4,
+        min_lr_ratio: float = 0.0,
+        betas=(0.9, 0.95),
+        weight_decay: float = 0.02,
+        **evaluation,
+    ) -> None:
+        super().__init__(model, tokenizer, **evaluation)
         # Checkpoints omit the frozen base weights, so loading them must not be strict.
         self.strict_loading = False
         self.outer_step = 0
+        self.warmup_ratio = float(warmup_ratio)
+        self.min_lr_ratio = float(min_lr_ratio)
+        self.betas = tuple(float(b) for b in betas)
+        self.weight_decay = float(weight_decay)
+
+    def adamw(self, params, lr: float) -> torch.optim.AdamW:
+        """AdamW with the paper's betas and weight decay (shared by every training method)."""
+        return torch.optim.AdamW(
+            list(params), lr=lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+
+    def lr_factor_schedule(self) -> Callable:
+        """Linear warmup over `warmup_ratio` of the steps, then cosine to `min_lr_ratio`."""
+        total = int(self.trainer.estimated_stepping_batches)
+        return warmup_cosine(total, round(self.warmup_ratio * total), self.min_lr_ratio)
 
     def on_fit_start(self) -> None:
         # HF models load in eval mode and evaluation leaves them there; Lightning keeps each
