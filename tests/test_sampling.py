@@ -45,26 +45,9 @@ def test_greedy_equals_generate_and_batching_does_not_matter(flat_tiny):
     # Plain prompts: a random tied-embedding model tends to repeat the prompt's last token,
     # and after a chat template's final newline that would be an empty answer.
     prompts = ["Question: what is two plus two? Answer:", "The primary colours are", "Paris"]
-    greedy = sample_answers(
-        model,
-        tokenizer,
-        prompts,
-        n=2,
-        max_new_tokens=8,
-        temperature=0,
-        stop_on_newline=False,
-        batch_size=3,
-    )
-    one_by_one = sample_answers(
-        model,
-        tokenizer,
-        prompts,
-        n=2,
-        max_new_tokens=8,
-        temperature=0,
-        stop_on_newline=False,
-        batch_size=1,
-    )
+    options = {"n": 2, "max_new_tokens": 8, "temperature": 0, "stop_on_newline": False}
+    greedy = sample_answers(model, tokenizer, prompts, batch_size=3, **options)
+    one_by_one = sample_answers(model, tokenizer, prompts, batch_size=1, **options)
     assert greedy == one_by_one
     for prompt, samples in zip(prompts, greedy, strict=True):
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
