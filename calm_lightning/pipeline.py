@@ -292,8 +292,3 @@ def _finish(loggers: list) -> None:
         experiment = getattr(logger, "_experiment", None)
         if experiment is not None and hasattr(experiment, "finish"):
             experiment.finish()
-
-
-def read_metrics(run_dir: str | Path) -> dict:
-    """Metrics a finished run wrote."""
-    return json.loads((Path(run_dir) / "metrics.json").read_text())["metrics"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import move_data_to_device
 
 from calm_lightning.calibration.metrics import calibration_report
 from calm_lightning.evaluation.mcqa import OptionTokens, choose_option_tokens, score_options
@@ -60,8 +61,7 @@ class CalibrationMethod(L.LightningModule):
         records = [loader.dataset[i] for i in range(min(self.probe_size, len(loader.dataset)))]
         if not records:
             return None
-        batch = loader.collate_fn(records)
-        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return move_data_to_device(loader.collate_fn(records), self.device)
 
     def on_test_start(self) -> None:
         self.model.eval()

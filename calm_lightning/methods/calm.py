@@ -142,7 +142,6 @@ class CALM(TrainingMethod):
         self.upper_objective = upper_objective
         # Resolved from the data in on_fit_start; these defaults serve direct (test) use.
         self.lower_mode = "vocab"
-        self._option_ids: torch.Tensor | None = None
 
     # ----- parameters and optimizers -----
     def _theta(self) -> tuple[list[str], list[torch.nn.Parameter]]:
@@ -170,8 +169,7 @@ class CALM(TrainingMethod):
             raise ConfigError("CALM supports bf16-mixed or 32-true precision, not fp16")
         self.lower_mode = self.resolve_mode("auto", "train")
         self.upper_objective = self.resolve_mode(self.upper_objective, "heldout")
-        needs_options = "options" in (self.lower_mode, self.upper_objective)
-        self._option_ids = self.training_option_ids() if needs_options else None
+        self.set_option_ids(self.lower_mode, self.upper_objective)
 
     # ----- objectives -----
     def lower_loss_fn(self, batch: dict, names: list[str]):
@@ -185,7 +183,7 @@ class CALM(TrainingMethod):
                     batch["input_ids"], batch["attention_mask"], params=params
                 )
             logits, targets = adjusted_predictions(
-                self.model, raw, batch["labels"], mode, self._option_ids
+                self.model, raw, batch["labels"], mode, self.option_ids
             )
             return cross_entropy(logits, targets)
 
@@ -197,7 +195,7 @@ class CALM(TrainingMethod):
         def upper() -> torch.Tensor:
             raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
             logits, _ = adjusted_predictions(
-                self.model, raw, batch["labels"], self.upper_objective, self._option_ids
+                self.model, raw, batch["labels"], self.upper_objective, self.option_ids
             )
             return -mean_entropy(logits)
 

@@ -33,7 +33,6 @@ class Iterate(TrainingMethod):
         self.lower_lr, self.upper_lr = float(lower_lr), float(upper_lr)
         self.ce_weight = float(ce_weight)
         self.lower_mode = self.upper_mode = "vocab"
-        self.option_ids: torch.Tensor | None = None
 
     def configure_optimizers(self):
         theta = list(self.model.adapter_parameters().values())
@@ -53,8 +52,7 @@ class Iterate(TrainingMethod):
         super().on_fit_start()
         self.lower_mode = self.resolve_mode("auto", "train")
         self.upper_mode = self.resolve_mode("auto", "heldout")
-        needs = "options" in (self.lower_mode, self.upper_mode)
-        self.option_ids = self.training_option_ids() if needs else None
+        self.set_option_ids(self.lower_mode, self.upper_mode)
 
     def _scored(self, batch: dict, mode: str):
         raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])

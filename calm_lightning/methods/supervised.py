@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import move_data_to_device
 
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.objectives import (
@@ -40,12 +41,13 @@ def bin_statistics(confidence: torch.Tensor, correct: torch.Tensor, n_bins: int 
 
 
 def initial_bin_statistics(batches) -> tuple[list, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From (ids, labels, probs, targets) batches of the initial model: every sample's id and
-    bin, and the per-bin accuracy and count."""
+    """From (ids, probs, targets) batches of the initial model: the example ids (only
+    meaningful with one prediction per example, i.e. options mode), every prediction's bin,
+    and the per-bin accuracy and count."""
     ids, confidence, correct = [], [], []
-    for batch_ids, _, probs, targets in batches:
+    for batch_ids, probs, targets in batches:
         top, prediction = probs.max(-1)
-        ids += list(batch_ids) if len(batch_ids) == len(top) else [None] * len(top)
+        ids += list(batch_ids)
         confidence.append(top.detach().float().cpu())
         correct.append((prediction == targets).cpu())
     confidence_t, correct_t = torch.cat(confidence), torch.cat(correct)
@@ -72,7 +74,6 @@ class SupervisedMethod(TrainingMethod):
         self.lr = float(lr)
         self.objective = objective
         self.mode = "vocab"
-        self.option_ids: torch.Tensor | None = None
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -86,7 +87,7 @@ class SupervisedMethod(TrainingMethod):
     def on_fit_start(self) -> None:
         super().on_fit_start()
         self.mode = self.resolve_mode(self.objective, "train")
-        self.option_ids = self.training_option_ids() if self.mode == "options" else None
+        self.set_option_ids(self.mode)
 
     def scored_predictions(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(raw logits, scored logits, targets) of a training batch in this method's mode."""
@@ -123,7 +124,7 @@ class SupervisedMethod(TrainingMethod):
 
     @torch.no_grad()
     def initial_predictions(self):
-        """Yield (ids, labels, probabilities, targets) of the untouched model over the training
+        """Yield (ids, probabilities, targets) of the untouched model over the training
         split in a fixed order (one pass, as LS and CFT need before training); at most
         `initial_pass_batches` batches when set."""
         datamodule = self.trainer.datamodule
@@ -133,11 +134,9 @@ class SupervisedMethod(TrainingMethod):
             for index, batch in enumerate(datamodule.ordered_train_dataloader()):
                 if self.initial_pass_batches is not None and index >= self.initial_pass_batches:
                     break
-                batch = {
-                    k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()
-                }
+                batch = move_data_to_device(batch, self.device)
                 _, logits, targets = self.scored_predictions(batch)
-                yield batch["ids"], batch["labels"], logits.float().softmax(-1), targets
+                yield batch["ids"], logits.float().softmax(-1), targets
         finally:
             self.model.train(was_training)
 

@@ -73,6 +73,8 @@ class TrainingMethod(CalibrationMethod):
         # Checkpoints omit the frozen base weights, so loading them must not be strict.
         self.strict_loading = False
         self.outer_step = 0
+        # Token ids of the option letters, set in on_fit_start when an objective needs them.
+        self.option_ids: torch.Tensor | None = None
         self.warmup_ratio = float(warmup_ratio)
         self.min_lr_ratio = float(min_lr_ratio)
         self.betas = tuple(float(b) for b in betas)
@@ -107,13 +109,17 @@ class TrainingMethod(CalibrationMethod):
             return requested
         return "options" if self.data_kind(split) == "mcqa" else "vocab"
 
-    def training_option_ids(self) -> torch.Tensor:
-        """Token ids of the option letters as training targets spell them."""
+    def set_option_ids(self, *modes: str) -> None:
+        """Look up the option letters' token ids (as training targets spell them) when any of
+        the objectives' modes scores options."""
+        if "options" not in modes:
+            self.option_ids = None
+            return
         from calm_lightning.evaluation.mcqa import option_token_candidates
 
         candidates = option_token_candidates(self.tokenizer)
         style = self.option_token_style if self.option_token_style in candidates else None
-        return candidates[style or next(iter(candidates))].tensor(self.device)
+        self.option_ids = candidates[style or next(iter(candidates))].tensor(self.device)
 
     def fail_non_finite(self, quantity: str) -> None:
         """Stop with the step and quantity named, after saving the still-finite state."""

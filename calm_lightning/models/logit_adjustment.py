@@ -9,7 +9,6 @@ sit around 33 on the embedded model: a 0.01 change of d_y moves z'_y by ~0.3).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -98,8 +97,3 @@ class LogitAdjustment(nn.Module):
             "l_mean": l_.mean().item(),
             "l_std": l_.std().item() if l_.numel() > 1 else 0.0,
         }
-
-
-def head_config_json(head: LogitAdjustment) -> str:
-    """A readable description of a head (for run summaries)."""
-    return json.dumps({"kind": head.kind, "center": head.center, "vocab_size": head.vocab_size})
