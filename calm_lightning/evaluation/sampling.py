@@ -36,10 +36,15 @@ def sample_answers(
     seed: int = 0,
     stop_on_newline: bool = True,
     batch_size: int = 4,
+    generator: torch.Generator | None = None,
 ) -> list[list[str]]:
-    """n sampled answers per prompt (rendered prompt texts). temperature 0 = greedy."""
+    """n sampled answers per prompt (rendered prompt texts). temperature 0 = greedy.
+
+    `generator` (on the model's device) continues a random stream across calls; without it a
+    fresh one is seeded with `seed`."""
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    if generator is None:
+        generator = torch.Generator(device=device).manual_seed(seed)
     stop_set = _stop_ids(tokenizer, stop_on_newline)
     stop = torch.tensor(sorted(stop_set), device=device)
     answers: list[list[str]] = []
