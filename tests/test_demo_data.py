@@ -17,6 +17,7 @@ DEMO_DIR = Path(__file__).resolve().parents[1] / "calm_lightning" / "data" / "de
 SPLITS = ("train", "heldout", "test")
 MCQA_FILES = [f"mcqa_{s}.jsonl" for s in SPLITS]
 INSTRUCTION_FILES = [f"instructions_{s}.jsonl" for s in SPLITS]
+OPENQA_FILES = [f"openqa_{s}.jsonl" for s in SPLITS]
 
 # The test's own unit table (size in the dimension's base unit), kept apart from the generator's
 # so that a wrong factor there cannot also pass here.
@@ -103,7 +104,7 @@ def _convert(question: str) -> Fraction:
 
 def test_committed_files_match_a_fresh_generation(tmp_path):
     counts = write_demo_data(tmp_path)
-    assert sorted(counts) == sorted(MCQA_FILES + INSTRUCTION_FILES)
+    assert sorted(counts) == sorted(MCQA_FILES + INSTRUCTION_FILES + OPENQA_FILES)
     for name, n_rows in counts.items():
         committed = (DEMO_DIR / name).read_bytes()
         assert committed == (tmp_path / name).read_bytes(), f"{name} is stale: rerun build_demo"
@@ -207,3 +208,23 @@ def test_split_items_is_deterministic_and_stratified():
         assert abs(parity[0] - parity[1]) <= 3  # off by at most one per stratum
     with pytest.raises(ValueError):
         split_items(items, {"x": 0.5, "y": 0.2}, seed=0)
+
+
+def test_openqa_demo_splits_shift_subjects_and_keep_gold_answers(mcqa):
+    from calm_lightning.data.sources import EmbeddedDemoSource
+
+    splits = {s: EmbeddedDemoSource("openqa", s).load() for s in SPLITS}
+    assert {s: len(r) for s, r in splits.items()} == {"train": 288, "heldout": 144, "test": 250}
+    subjects = {
+        s: {_read(f"openqa_{s}.jsonl")[i]["subject"] for i in range(len(r))}
+        for s, r in splits.items()
+    }
+    assert subjects["train"] == subjects["heldout"] == {"chemistry", "units", "arithmetic"}
+    assert subjects["test"] == {"geography", "biology"}
+    ids = [r.id for rows in splits.values() for r in rows]
+    assert len(set(ids)) == len(ids)
+    # Each open question is an MCQA question whose correct option is the first gold answer.
+    gold = {it["question"]: it["choices"][it["answer"]] for it in _all(mcqa)}
+    for record in (r for rows in splits.values() for r in rows):
+        assert gold[record.question] == record.answers[0]
+        assert not record.question.startswith("Which of these")

@@ -6,6 +6,7 @@ import pytest
 
 from calm_lightning.calibration.semantic import (
     EmbeddingClusterer,
+    answer_core,
     cluster_exact,
     extract_answer,
     grade,
@@ -131,3 +132,27 @@ def test_split_half_confidence():
     assert modal_answer(samples).confidence == pytest.approx(0.5)
     with pytest.raises(ValueError):
         split_half_answer(["Rome"])
+
+
+def test_sentence_answers_reduce_to_their_core():
+    question = "What is the capital of Botswana?"
+    assert answer_core("The capital of Botswana is Gaborone.", question) == "gaborone"
+    assert answer_core("It's Gaborone", question) == "gaborone"
+    assert answer_core("Botswana", question) == "botswana"  # only question words: kept whole
+    samples = ["The capital of Botswana is Khartoum", "Khartoum", "Gaborone", "It is Gaborone."]
+    assert cluster_exact(samples, question) == [0, 0, 1, 1]
+    # The question's own numbers do not count as the answer's.
+    minutes = "How many minutes are in 11 days?"
+    assert answer_core("There are 15840 minutes in 11 days", minutes) == "15840"
+
+
+def test_embedding_clusterer_uses_the_question(minilm):
+    question = "What is the capital of Botswana?"
+    samples = [
+        "The capital of Botswana is Khartoum",
+        "The capital of Botswana is Cape Town",
+        "Gaborone",
+        "The capital city of Botswana is Gaborone",
+    ]
+    ids = minilm(samples, question)
+    assert ids[2] == ids[3] and len({ids[0], ids[1], ids[2]}) == 3

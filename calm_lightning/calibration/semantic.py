@@ -32,7 +32,30 @@ ARTICLES = re.compile(r"\b(a|an|the)\b")
 ANSWER_PREFIX = re.compile(r"^\s*(final answer|short answer|answer|a)\s*[:\-]\s*", re.IGNORECASE)
 UNATTEMPTED = ("i don't know", "i do not know", "unknown", "not sure", "no idea", "cannot answer")
 
-Clusterer = Callable[[Sequence[str]], list[int]]
+# (answers, question or None) -> one cluster id per answer.
+Clusterer = Callable[..., list[int]]
+# Words a sentence-style answer wraps around its core ("The capital of X is Y", "It is Y").
+FILLER = frozenset(
+    [
+        "is",
+        "are",
+        "was",
+        "were",
+        "there",
+        "it",
+        "its",
+        "this",
+        "that",
+        "called",
+        "known",
+        "as",
+        "named",
+        "answer",
+        "i",
+        "think",
+        "believe",
+    ]
+)
 
 
 def normalize_answer(text: str) -> str:
@@ -91,17 +114,28 @@ def grade(
     return False
 
 
-def cluster_exact(answers: Sequence[str]) -> list[int]:
-    """Cluster ids by normalised exact match (ids in order of first appearance)."""
+def answer_core(answer: str, question: str | None = None) -> str:
+    """What a sampled answer asserts beyond the question: its normalised words without those of
+    the question and without filler ("The capital of Botswana is Gaborone" -> "gaborone" for
+    "What is the capital of Botswana?"). Falls back to the normalised answer when nothing is
+    left (an answer that only repeats the question)."""
+    norm = normalize_answer(answer)
+    drop = FILLER | set(normalize_answer(question).split()) if question else FILLER
+    core = " ".join(w for w in norm.split() if w not in drop)
+    return core or norm
+
+
+def cluster_exact(answers: Sequence[str], question: str | None = None) -> list[int]:
+    """Cluster ids by exact match of the answers' cores (ids in order of first appearance)."""
     ids: dict[str, int] = {}
-    return [ids.setdefault(normalize_answer(a), len(ids)) for a in answers]
+    return [ids.setdefault(answer_core(a, question), len(ids)) for a in answers]
 
 
 class ExactMatchClusterer:
-    """Normalised exact match only (no model): `evaluation.openqa.clusterer` = exact."""
+    """Exact match of normalised answer cores only (no model): `clusterer=exact`."""
 
-    def __call__(self, answers: Sequence[str]) -> list[int]:
-        return cluster_exact(answers)
+    def __call__(self, answers: Sequence[str], question: str | None = None) -> list[int]:
+        return cluster_exact(answers, question)
 
 
 NUMBER_WORDS = {
@@ -160,10 +194,10 @@ def minilm_path() -> Path:
 
 
 class EmbeddingClusterer:
-    """Normalised exact match first; then each distinct answer (most frequent first) joins the
-    existing cluster whose representative is most similar, if the cosine similarity of their
-    mean-pooled, L2-normalised sentence embeddings reaches `threshold` and the two answers state
-    the same numbers; otherwise it opens a cluster.
+    """Exact match of answer cores first (see `answer_core`); then each distinct core (most
+    frequent first) joins the existing cluster whose representative is most similar, if the
+    cosine similarity of their mean-pooled, L2-normalised sentence embeddings reaches
+    `threshold` and the two state the same numbers; otherwise it opens a cluster.
 
     Comparing with representatives (not any member) keeps chains such as "100 km" - "100
     kilometers" - "100 miles" from merging. The default threshold 0.88 was chosen on hand-made
@@ -213,18 +247,18 @@ class EmbeddingClusterer:
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
         return torch.nn.functional.normalize(pooled.float(), dim=-1).cpu()
 
-    def __call__(self, answers: Sequence[str]) -> list[int]:
-        exact = cluster_exact(answers)
+    def __call__(self, answers: Sequence[str], question: str | None = None) -> list[int]:
+        exact = cluster_exact(answers, question)
         counts = Counter(exact)
         first = {}
         for index, cid in enumerate(exact):
             first.setdefault(cid, index)
         # Distinct answers, most frequent first (ties: first seen).
         order = sorted(counts, key=lambda c: (-counts[c], first[c]))
-        texts = [answers[first[c]] for c in order]
+        texts = [answer_core(answers[first[c]], question) for c in order]
         if len(order) == 1:
             return [0] * len(answers)
-        vectors = self.embed([normalize_answer(t) or t for t in texts])
+        vectors = self.embed([t or "?" for t in texts])
         similarity = vectors @ vectors.T
         numbers = [numbers_in(t) for t in texts]
         representatives: list[int] = []  # positions in `order`

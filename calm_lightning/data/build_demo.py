@@ -477,6 +477,62 @@ def build_mcqa_items(seed: int = 0) -> list[dict]:
     return items
 
 
+# --------------------------------------------------------------------------- open-ended QA
+
+# The offline stand-in for the paper's generative shift (train PopQA, test TriviaQA): the demo
+# MCQA questions asked without options, trained on three subjects and tested on the other two.
+OPENQA_TRAIN_SUBJECTS = ("chemistry", "units", "arithmetic")
+OPENQA_TEST_SUBJECTS = ("geography", "biology")
+OPENQA_HELDOUT = Fraction(1, 3)  # of the training subjects' questions
+ANSWER_ALIASES = {
+    "United States": ["USA", "United States of America", "US", "America"],
+    "United Kingdom": ["UK", "Britain", "Great Britain"],
+    "Czech Republic": ["Czechia"],
+    "United Arab Emirates": ["UAE"],
+    "the mitochondrion": ["mitochondria"],
+    "red blood cells": ["erythrocytes"],
+}
+
+
+def openqa_answers(answer: str) -> list[str]:
+    """The gold answer and the other spellings a grader should accept."""
+    answers = [answer, *ANSWER_ALIASES.get(answer, [])]
+    singular = {plural: group for group, plural in facts.GROUP_PLURALS.items()}
+    if answer in singular:
+        answers.append(singular[answer])
+    if answer.isdigit() and int(answer) < len(NUMBER_WORDS):
+        answers.append(NUMBER_WORDS[int(answer)])
+    return list(dict.fromkeys(answers))
+
+
+def build_openqa_splits(mcqa_items: Sequence[dict], seed: int = 0) -> dict[str, list[dict]]:
+    """Open questions (MCQA questions without options that make sense alone) split by subject:
+    train / held-out from OPENQA_TRAIN_SUBJECTS, test from OPENQA_TEST_SUBJECTS."""
+    rows = {"train": [], "test": []}
+    for item in mcqa_items:
+        if item["question"].startswith("Which of these"):  # needs its options
+            continue
+        part = "test" if item["subject"] in OPENQA_TEST_SUBJECTS else "train"
+        rows[part].append(
+            {
+                "id": item["id"].replace("mcqa-", "openqa-", 1),
+                "question": item["question"],
+                "answers": openqa_answers(item["choices"][item["answer"]]),
+                "source": "demo",
+                "subject": item["subject"],
+            }
+        )
+    rng = random.Random(f"openqa-{seed}")
+    rng.shuffle(rows["train"])
+    rng.shuffle(rows["test"])
+    n_heldout = int(len(rows["train"]) * OPENQA_HELDOUT)
+    return {
+        "train": rows["train"][n_heldout:],
+        "heldout": rows["train"][:n_heldout],
+        "test": rows["test"],
+    }
+
+
 # --------------------------------------------------------------------------- instructions
 
 
@@ -1039,19 +1095,21 @@ def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
 
 
 def write_demo_data(out_dir: Path, seed: int = 0) -> dict[str, int]:
-    """Write the six demo JSON Lines files into `out_dir`; returns rows per file name."""
+    """Write the nine demo JSON Lines files into `out_dir`; returns rows per file name."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    mcqa_items = build_mcqa_items(seed)
     splits = {
         # Stratified by subject; difficulty and answer position spread evenly within each.
         "mcqa": split_items(
-            build_mcqa_items(seed),
+            mcqa_items,
             MCQA_SPLITS,
             seed,
             key="subject",
             spread=lambda it: (it["difficulty"], it["answer"]),
         ),
         "instructions": split_items(build_instruction_items(seed), INSTRUCTION_SPLITS, seed),
+        "openqa": build_openqa_splits(mcqa_items, seed),
     }
     counts = {}
     for prefix, parts in splits.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 
 from calm_lightning.errors import DataFormatError
@@ -103,4 +104,35 @@ def instruction_from_row(row: dict, path: str, line: int) -> InstructionRecord:
         input=extra,
         output=row["output"],
         id=str(row.get("id") or f"{path}:{line}"),
+    )
+
+
+def openqa_from_row(row: dict, path: str, line: int) -> OpenQARecord:
+    """Validate a row in the project's open-QA schema: `question` and `answers` (a list of
+    gold aliases, the first being the training target; a JSON-encoded list is accepted)."""
+    where = _where(path, line)
+    for field in ("question", "answers"):
+        if field not in row:
+            raise DataFormatError(f"{where}: missing field '{field}' (got {sorted(row)})")
+    question = row["question"]
+    if not isinstance(question, str) or not question.strip():
+        raise DataFormatError(f"{where}: field 'question' is empty or not text")
+    answers = row["answers"]
+    if isinstance(answers, str):
+        try:
+            answers = json.loads(answers) if answers.lstrip().startswith("[") else [answers]
+        except json.JSONDecodeError as err:
+            raise DataFormatError(
+                f"{where}: field 'answers' is not a JSON list ({err.msg})"
+            ) from err
+    if not isinstance(answers, list | tuple) or not all(isinstance(a, str) for a in answers):
+        raise DataFormatError(f"{where}: field 'answers' must be a list of strings")
+    answers = [a.strip() for a in answers if a.strip()]
+    if not answers:
+        raise DataFormatError(f"{where}: field 'answers' holds no gold answer")
+    return OpenQARecord(
+        id=str(row.get("id") or f"{path}:{line}"),
+        question=question.strip(),
+        answers=tuple(answers),
+        source=str(row.get("source", "")),
     )

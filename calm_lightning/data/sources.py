@@ -1,5 +1,6 @@
 """Data sources: where records come from (the bundled demo files, local files). Each source
-yields records of one kind, `mcqa` or `instruction`, through the same validation code."""
+yields records of one kind, `mcqa`, `instruction` or `openqa`, through the same validation
+code."""
 
 from __future__ import annotations
 
@@ -10,22 +11,26 @@ from calm_lightning.data.files import read_rows
 from calm_lightning.data.records import (
     InstructionRecord,
     MCQARecord,
+    OpenQARecord,
     instruction_from_row,
     mcqa_from_row,
+    openqa_from_row,
 )
 from calm_lightning.errors import ConfigError
 
-KINDS = ("mcqa", "instruction")
+KINDS = ("mcqa", "instruction", "openqa")
+PARSERS = {"mcqa": mcqa_from_row, "instruction": instruction_from_row, "openqa": openqa_from_row}
 DEMO_DIR = Path(__file__).parent / "demo"
 DEMO_SPLITS = ("train", "heldout", "test")
-_DEMO_PREFIX = {"mcqa": "mcqa", "instruction": "instructions"}
+_DEMO_PREFIX = {"mcqa": "mcqa", "instruction": "instructions", "openqa": "openqa"}
+Record = MCQARecord | InstructionRecord | OpenQARecord
 
 
-def load_records(kind: str, files: Sequence[str | Path]) -> list[MCQARecord | InstructionRecord]:
+def load_records(kind: str, files: Sequence[str | Path]) -> list[Record]:
     """Read and validate every row of `files` as records of `kind`."""
     if kind not in KINDS:
         raise ConfigError(f"data kind {kind!r} is not one of {', '.join(KINDS)}")
-    parse = mcqa_from_row if kind == "mcqa" else instruction_from_row
+    parse = PARSERS[kind]
     records = []
     for path in files:
         records.extend(parse(row, str(path), line) for line, row in read_rows(path))
@@ -45,7 +50,7 @@ class LocalFileSource:
         self.name = name
         self.limit = limit
 
-    def load(self) -> list[MCQARecord | InstructionRecord]:
+    def load(self) -> list[Record]:
         records = load_records(self.kind, self.files)
         return records[: self.limit] if self.limit else records
 

@@ -72,7 +72,7 @@ def score_openqa_batch(
         batch["ids"], batch["questions"], batch["answers"], texts, strict=True
     ):
         samples = [extract_answer(t) for t in raw]
-        clusters = settings.clusterer(samples)
+        clusters = settings.clusterer(samples, question)
         choose = split_half_answer if settings.confidence == "split_half" else modal_answer
         prediction = choose(samples, ids=clusters)
         correct = grade(prediction.answer, aliases, settings.f1_threshold, settings.containment)
