@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.results import format_table, write_mcqa_results
+from calm_lightning.methods.reference import check_reference_model
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.loading import LoadedModel, load_language_model
 from calm_lightning.models.logit_adjustment import LogitAdjustment
@@ -71,6 +72,7 @@ def check_method_fits_setting(cfg: DictConfig, sources: dict) -> None:
             "which this version cannot score yet; its train / held-out data and prompts are "
             "ready (CalibrationDataModule)"
         )
+    check_reference_model(cfg)
     if requires.get("heldout") and sources.get("heldout") is None:
         raise ConfigError(
             f"method={cfg.method.name} needs held-out data, which setting={cfg.setting.name} "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -149,8 +149,7 @@ class TemperatureFitResult:
     temperature: float
     loss_before: float  # full-data loss at T = 1
     loss_after: float  # full-data loss at the fitted T
-    steps: int
-    history: list[float] = field(default_factory=list)  # full-data loss after each epoch
+    steps: int  # Adam steps taken
 
 
 def fit_temperature_adam(
@@ -184,7 +183,7 @@ def fit_temperature_adam(
     with torch.no_grad():
         before = float(loss_fn(everything, torch.tensor(init, dtype=torch.float64)))
     generator = torch.Generator().manual_seed(seed)
-    steps, history = 0, []
+    steps = 0
     for _ in range(epochs):
         for index in torch.randperm(n, generator=generator).split(batch_size):
             optimizer.zero_grad()
@@ -193,7 +192,6 @@ def fit_temperature_adam(
                 loss.backward()
                 optimizer.step()
             steps += 1
-        with torch.no_grad():
-            history.append(float(loss_fn(everything, temperature())))
-    fitted = float(temperature().detach())
-    return TemperatureFitResult(fitted, before, history[-1] if history else before, steps, history)
+    with torch.no_grad():
+        after = float(loss_fn(everything, temperature()))
+    return TemperatureFitResult(float(temperature().detach()), before, after, steps)

@@ -6,7 +6,7 @@ A training method subclasses `CalibrationMethod`, sets `trains = True` and imple
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import lightning as L
 import numpy as np
@@ -26,9 +26,14 @@ class MCQAPredictions:
     probs: np.ndarray  # (N, K) float64
     labels: np.ndarray  # (N,)
     option_tokens: OptionTokens
+    predicted: np.ndarray | None = None  # (N,) stated answers; None = argmax of probs
+    extra: dict = field(default_factory=dict)  # method-specific counts for metrics.json
 
     def report(self, n_bins: int = 10) -> dict[str, float]:
-        return calibration_report(self.probs, self.labels, n_bins=n_bins)
+        metrics = calibration_report(
+            self.probs, self.labels, n_bins=n_bins, predictions=self.predicted
+        )
+        return {**metrics, **self.extra}
 
 
 class CalibrationMethod(L.LightningModule):
@@ -52,7 +57,7 @@ class CalibrationMethod(L.LightningModule):
         self.n_bins = n_bins
         self.option_tokens: OptionTokens | None = None
         self.predictions: MCQAPredictions | None = None
-        self._test_rows: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
+        self._test_rows: list[tuple] = []
 
     # ----- evaluation (shared) -----
     def _probe_batch(self) -> dict | None:
@@ -74,15 +79,25 @@ class CalibrationMethod(L.LightningModule):
         self._test_rows = []
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
+        probs, predicted = self.option_probabilities(batch)
+        self._test_rows.append(
+            (list(batch["ids"]), probs.double().cpu(), batch["labels"].cpu(), predicted)
+        )
+
+    def option_probabilities(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, K) option probabilities and, for methods that state their answer apart from
+        the probabilities, the (B,) answers (None = the argmax). Methods that produce their
+        confidence differently (IC, CAPE, elicitation) override this, nothing else."""
         logits = score_options(self.model, batch, self.option_tokens)
-        probs = torch.softmax(logits.double(), dim=-1)
-        self._test_rows.append((list(batch["ids"]), probs.cpu(), batch["labels"].cpu()))
+        return torch.softmax(logits.double(), dim=-1), None
 
     def on_test_epoch_end(self) -> None:
-        ids = [i for rows, _, _ in self._test_rows for i in rows]
-        probs = torch.cat([p for _, p, _ in self._test_rows]).numpy()
-        labels = torch.cat([y for _, _, y in self._test_rows]).numpy()
-        self.predictions = MCQAPredictions(ids, probs, labels, self.option_tokens)
+        ids = [i for rows, _, _, _ in self._test_rows for i in rows]
+        probs = torch.cat([p for _, p, _, _ in self._test_rows]).numpy()
+        labels = torch.cat([y for _, _, y, _ in self._test_rows]).numpy()
+        stated = [a for _, _, _, a in self._test_rows]
+        predicted = None if stated[0] is None else torch.cat(stated).cpu().numpy()
+        self.predictions = MCQAPredictions(ids, probs, labels, self.option_tokens, predicted)
         metrics = self.predictions.report(self.n_bins)
         self.log_dict({f"test/{k}": float(v) for k, v in metrics.items()}, sync_dist=False)
         self._test_rows = []
