@@ -210,3 +210,10 @@ def test_confidence_parser(text, expected):
 )
 def test_answer_letter_parser(text, expected):
     assert parse_answer_letter(text, "ABCD") == expected
+
+
+def test_ts_oracle_fits_on_the_whole_fit_part(tmp_path):
+    overrides = [o for o in _pair("ts", tmp_path) if not o.startswith("reference_")]
+    metrics = run_experiment(compose_run(overrides, tmp_path))
+    fit = json.loads((tmp_path / "metrics.json").read_text())["posthoc"]
+    assert fit["n"] == 36 and metrics["n"] == 84  # method_setting/ts_demo_posthoc.yaml
