@@ -217,3 +217,25 @@ def test_ts_oracle_fits_on_the_whole_fit_part(tmp_path):
     metrics = run_experiment(compose_run(overrides, tmp_path))
     fit = json.loads((tmp_path / "metrics.json").read_text())["posthoc"]
     assert fit["n"] == 36 and metrics["n"] == 84  # method_setting/ts_demo_posthoc.yaml
+
+
+@pytest.mark.slow
+def test_dual_align_with_the_embedded_model_as_polm(tmp_path):
+    """Any pair works: the embedded SmolLM2 as PoLM against a 30-layer tiny PLM that shares its
+    tokenizer (a structural check; the temperature itself means nothing here)."""
+    overrides = [
+        "model=smollm2",
+        "reference_model=tiny_plm",
+        "reference_model.tiny.num_layers=30",  # SmolLM2-135M's depth
+        "method=dual_align",
+        "setting=demo_posthoc",
+        "setting.test.source.limit=40",
+        "trainer.enable_progress_bar=false",
+        "logger=none",
+        *_with_cache(tmp_path),
+    ]
+    metrics = run_experiment(compose_run(overrides, tmp_path))
+    payload = json.loads((tmp_path / "metrics.json").read_text())
+    fit = payload["posthoc"]
+    assert fit["n"] == 12 and fit["n_layers"] == 30 and np.isfinite(fit["temperature"])
+    assert metrics["accuracy"] == payload["comparison"]["base"]["accuracy"]
