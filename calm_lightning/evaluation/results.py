@@ -13,6 +13,7 @@ TABLE_COLUMNS = (
     ("conf_ece", "conf-ECE"),
     ("cw_ece", "cw-ECE"),
     ("mce", "MCE"),
+    ("ace", "ACE"),
     ("brier", "Brier"),
     ("nll", "NLL"),
 )

@@ -34,7 +34,7 @@ from calm_lightning.calibration.reference import (
     fit_temperature_adam,
     inferential_stability_entropy,
 )
-from calm_lightning.data.collate import _encode, pad_left
+from calm_lightning.data.collate import pad_left
 from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, render_prompt
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.mcqa import (
@@ -162,13 +162,15 @@ class ReferenceTemperature(CalibrationMethod):
         self._cache_file = self._cache_path(prompts, [r.id for r in records], self._max_length)
         self._lens, self._cache_status = None, "off"
         if self.use_cache and self._cache_file.is_file():
-            self._lens = torch.load(self._cache_file, weights_only=True)
-            self.option_tokens = OptionTokens(
-                self._lens["style"], tuple(self._lens["option_ids"]), self._lens["letters"]
-            )
-            self._cache_status = "hit"
-            log.info("logit-lens cache hit: %s", self._cache_file)
-            return DataLoader([])
+            cached = torch.load(self._cache_file, weights_only=True)
+            tokens = OptionTokens(cached["style"], tuple(cached["option_ids"]), cached["letters"])
+            # The option spelling may already be fixed by the base evaluation; a cache made
+            # with another spelling is not reused.
+            if self.option_tokens in (None, tokens):
+                self.option_tokens, self._lens = tokens, cached
+                self._cache_status = "hit"
+                log.info("logit-lens cache hit: %s", self._cache_file)
+                return DataLoader([])
         loader = DataLoader(
             records, batch_size=datamodule.eval_batch_size, collate_fn=datamodule.test_collator
         )
@@ -217,7 +219,9 @@ class ReferenceTemperature(CalibrationMethod):
         rows = []
         for example_id in batch["ids"]:
             text = render_prompt(self.tokenizer, mcqa_user_text(self._records[example_id]))
-            rows.append(_encode(plm_tok, text)[-self._max_length :])
+            # The rendered template carries its special tokens already (as in MCQACollator).
+            encoded = plm_tok(text, add_special_tokens=False)["input_ids"]
+            rows.append(encoded[-self._max_length :])
         ids, mask = pad_left(rows, plm_tok.pad_token_id)
         plm = lens_option_logits(
             self._reference.model,
