@@ -239,3 +239,40 @@ def test_dual_align_with_the_embedded_model_as_polm(tmp_path):
     fit = payload["posthoc"]
     assert fit["n"] == 12 and fit["n_layers"] == 30 and np.isfinite(fit["temperature"])
     assert metrics["accuracy"] == payload["comparison"]["base"]["accuracy"]
+
+
+def test_posthoc_sweep_and_report_give_mean_and_std_over_seeds(tmp_path):
+    """The posthoc_reference grid (cut to two methods x two seeds) through Hydra's launcher,
+    then the reporter: one row per method, averaged over the seeds, with MCE / ACE / Brier."""
+    import os
+    import subprocess
+    import sys
+
+    from calm_lightning.report import main as report_main
+
+    args = [
+        sys.executable,
+        "-m",
+        "calm_lightning.run",
+        "+sweep=posthoc_reference",
+        "method=base,daca",  # the command line narrows the sweep file's grid
+        "seed=0,1",
+        "model=tiny",
+        f"model.tiny.logit_scale={K}",
+        "reference_model=tiny_plm",
+        "setting=demo_posthoc",
+        "setting.test.source.limit=20",
+        "trainer.enable_progress_bar=false",
+        "logger=none",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CALM_LIGHTNING_CACHE=str(tmp_path / "cache"))
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    jobs = [p for p in (tmp_path / "sweep").iterdir() if (p / "metrics.json").is_file()]
+    assert len(jobs) == 4
+    assert report_main([str(tmp_path / "sweep")]) == 0
+    report = (tmp_path / "sweep" / "report" / "report.md").read_text()
+    assert "| MCE | ACE | Brier |" in report
+    rows = [line for line in report.splitlines() if line.startswith(("| base", "| daca"))]
+    assert len(rows) == 2 and all(row.endswith("| 2 |") for row in rows)
