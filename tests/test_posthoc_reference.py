@@ -276,3 +276,24 @@ def test_posthoc_sweep_and_report_give_mean_and_std_over_seeds(tmp_path):
     assert "| MCE | ACE | Brier |" in report
     rows = [line for line in report.splitlines() if line.startswith(("| base", "| daca"))]
     assert len(rows) == 2 and all(row.endswith("| 2 |") for row in rows)
+
+
+def test_posthoc_medmcqa_splits_the_validation_pool_30_70(tmp_path):
+    from hydra.utils import instantiate
+
+    cfg = compose_run(
+        [
+            "setting=posthoc_medmcqa",
+            f"setting.test.source.sources.medmcqa.files=[{HUB / 'medmcqa.jsonl'}]",
+            "seed=1",
+        ],
+        tmp_path,
+    )
+    fit = instantiate(cfg.setting.heldout).load()
+    test = instantiate(cfg.setting.test).load()
+    pool = instantiate(cfg.setting.test.source).load()
+    assert {r.source for r in pool} == {"medmcqa"}
+    assert len(fit) == round(0.3 * len(pool)) and len(fit) + len(test) == len(pool)
+    assert {r.id for r in fit}.isdisjoint(r.id for r in test)
+    with pytest.raises(ConfigError, match="strictly between 0 and 1"):
+        FitTestSplit(pool, "test", fit_fraction=1.0)
