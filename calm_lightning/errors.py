@@ -23,3 +23,7 @@ class ConfigError(CalmLightningError):
 
 class DataUnavailableError(CalmLightningError):
     """A hub dataset is neither cached, nor reachable, nor given as local files."""
+
+
+class MissingDependencyError(CalmLightningError):
+    """An optional package a configured feature needs is not installed."""

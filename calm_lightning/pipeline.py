@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.openqa import OpenQAPredictions, write_openqa_results
 from calm_lightning.evaluation.results import format_table, write_mcqa_results
 from calm_lightning.methods.reference import check_reference_model
 from calm_lightning.models.calibrated_lm import CalibratedLM
@@ -61,16 +62,11 @@ def check_method_fits_setting(cfg: DictConfig, sources: dict) -> None:
     """Refuse a method / setting pair that cannot work, before any model is loaded."""
     requires = cfg.method.get("requires") or {}
     reason = requires.get("reason", "")
-    kind = requires.get("train_kind")
-    if kind and getattr(sources.get("train"), "kind", None) != kind:
+    kinds = requires.get("train_kind")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    if kinds and getattr(sources.get("train"), "kind", None) not in kinds:
         raise ConfigError(
             f"method={cfg.method.name} cannot run in setting={cfg.setting.name}: {reason}"
-        )
-    if getattr(sources.get("test"), "kind", None) == "openqa":
-        raise ConfigError(
-            f"setting={cfg.setting.name} is evaluated on open-ended QA (sampling + Sem-ECE), "
-            "which this version cannot score yet; its train / held-out data and prompts are "
-            "ready (CalibrationDataModule)"
         )
     check_reference_model(cfg)
     if requires.get("heldout") and sources.get("heldout") is None:
@@ -108,6 +104,7 @@ def build_method(cfg: DictConfig, model: CalibratedLM, tokenizer):
         option_tokens=cfg.evaluation.option_tokens,
         probe_size=cfg.evaluation.probe_size,
         n_bins=cfg.evaluation.n_bins,
+        openqa=cfg.evaluation.openqa,
         _convert_="all",
     )
 
@@ -188,10 +185,14 @@ def publish_to_wandb(loggers: list, cfg: DictConfig, out: Path, rows: dict) -> N
         rows_json = [
             json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()
         ]
-        columns = ["id", "label", "prediction", "confidence", "correct", "probs"]
+        columns = list(rows_json[0]) if rows_json else []
+        # Lists (option probabilities, samples, clusters) go in as JSON text cells.
         table = wandb.Table(
             columns=columns,
-            data=[[r[c] if c != "probs" else json.dumps(r[c]) for c in columns] for r in rows_json],
+            data=[
+                [json.dumps(v) if isinstance(v, list | dict) else v for v in r.values()]
+                for r in rows_json
+            ],
         )
         run.log({"predictions": table})
 
@@ -212,7 +213,10 @@ def evaluate(trainer, module, datamodule, out: Path, cfg: DictConfig, method_nam
         "seed": cfg.seed,
     }
     title = f"{cfg.model.name} / {method_name} / {cfg.setting.name}"
-    write_mcqa_results(out, module.predictions, metrics, meta, title=title)
+    if isinstance(module.predictions, OpenQAPredictions):
+        write_openqa_results(out, module.predictions, metrics, meta, title=title)
+    else:
+        write_mcqa_results(out, module.predictions, metrics, meta, title=title)
     return metrics
 
 

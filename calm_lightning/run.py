@@ -47,9 +47,10 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def sweep_objective(cfg: DictConfig, metrics: dict) -> float:
-    """conf-ECE, plus 1 when accuracy falls to or below `min_accuracy_ratio` x the base
-    model's accuracy measured in the same run (the paper's selection rule as one number)."""
-    objective = float(metrics["conf_ece"])
+    """conf-ECE (Sem-ECE on open-ended QA), plus 1 when accuracy falls to or below
+    `min_accuracy_ratio` x the base model's accuracy measured in the same run (the paper's
+    selection rule as one number)."""
+    objective = float(metrics["sem_ece"] if "sem_ece" in metrics else metrics["conf_ece"])
     payload = json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text())
     base = (payload.get("comparison") or {}).get("base")
     ratio = float(cfg.evaluation.get("min_accuracy_ratio", 0.8))

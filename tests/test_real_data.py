@@ -265,13 +265,3 @@ def test_base_runs_end_to_end_on_local_hub_schema_files(tmp_path, overrides):
         "3 options": 1,
         "5 options": 1,
     }
-
-
-def test_gen_ood_run_stops_at_config_time_with_the_reason(tmp_path, monkeypatch):
-    import calm_lightning.pipeline as pipeline
-    from calm_lightning.errors import ConfigError
-
-    monkeypatch.setattr(pipeline, "load_language_model", lambda *a, **k: 1 / 0)
-    cfg = compose_run(["model=tiny", *_gen_overrides()], tmp_path)
-    with pytest.raises(ConfigError, match="open-ended QA"):
-        run_experiment(cfg)

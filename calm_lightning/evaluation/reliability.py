@@ -15,7 +15,7 @@ from calm_lightning.calibration.metrics import (
     validate_inputs,
 )
 
-__all__ = ["option_letter", "plot_reliability_diagram"]
+__all__ = ["option_letter", "plot_confidence_reliability", "plot_reliability_diagram"]
 
 
 def option_letter(j: int) -> str:
@@ -23,33 +23,8 @@ def option_letter(j: int) -> str:
     return chr(ord("A") + j) if 0 <= j < 26 else str(j)
 
 
-def plot_reliability_diagram(
-    probs: Any,
-    labels: Any,
-    path: str | Path,
-    title: str = "",
-    n_bins: int = 10,
-    predictions: Any = None,
-) -> Path:
-    """Write a top-label and a class-wise reliability diagram side by side to ``path`` (PNG).
-
-    ``predictions`` (stated answers) replaces the argmax in the top-label panel."""
-    p, y = validate_inputs(probs, labels)
-    k = p.shape[1]
-    pred = np.argmax(p, axis=1) if predictions is None else np.asarray(predictions, dtype=int)
-    top = reliability_bins(p[np.arange(p.shape[0]), pred], pred == y, n_bins)
-    ece = top.expected_gap()
-    acc = float(np.mean(pred == y))
-    cw = classwise_ece(p, y, n_bins)
-
-    fig = Figure(figsize=(11, 5.5), dpi=120, layout="constrained")
-    # Attaching the Agg canvas explicitly keeps savefig independent of the pyplot backend.
-    FigureCanvasAgg(fig)
-    grid = fig.add_gridspec(2, 2, height_ratios=[3, 1])
-    ax_rel = fig.add_subplot(grid[0, 0])
-    ax_hist = fig.add_subplot(grid[1, 0], sharex=ax_rel)
-    ax_cw = fig.add_subplot(grid[:, 1])
-
+def _draw_top_label(ax_rel, ax_hist, top, title: str, legend: str, xlabel: str) -> None:
+    """Accuracy bars with the gap to mean confidence per bin, and the bin counts below."""
     width = 1.0 / top.n_bins
     left = top.edges[:-1]
     full = top.counts > 0
@@ -79,11 +54,11 @@ def plot_reliability_diagram(
         label="gap to confidence",
     )
     ax_rel.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
-    ax_rel.plot([], [], " ", label=f"conf-ECE = {ece:.3f}, acc = {acc:.3f}")
+    ax_rel.plot([], [], " ", label=legend)
     ax_rel.set_xlim(0, 1)
     ax_rel.set_ylim(0, 1)
     ax_rel.set_ylabel("accuracy")
-    ax_rel.set_title(f"Top-label reliability (conf-ECE {ece:.3f}, acc {acc:.3f})")
+    ax_rel.set_title(title)
     ax_rel.legend(loc="upper left", fontsize=8)
     ax_rel.tick_params(labelbottom=False)
 
@@ -96,8 +71,44 @@ def plot_reliability_diagram(
         edgecolor="black",
         linewidth=0.6,
     )
-    ax_hist.set_xlabel("confidence (top option probability)")
+    ax_hist.set_xlabel(xlabel)
     ax_hist.set_ylabel("count")
+
+
+def plot_reliability_diagram(
+    probs: Any,
+    labels: Any,
+    path: str | Path,
+    title: str = "",
+    n_bins: int = 10,
+    predictions: Any = None,
+) -> Path:
+    """Write a top-label and a class-wise reliability diagram side by side to ``path`` (PNG).
+
+    ``predictions`` (stated answers) replaces the argmax in the top-label panel."""
+    p, y = validate_inputs(probs, labels)
+    k = p.shape[1]
+    pred = np.argmax(p, axis=1) if predictions is None else np.asarray(predictions, dtype=int)
+    top = reliability_bins(p[np.arange(p.shape[0]), pred], pred == y, n_bins)
+    ece = top.expected_gap()
+    acc = float(np.mean(pred == y))
+    cw = classwise_ece(p, y, n_bins)
+
+    fig = Figure(figsize=(11, 5.5), dpi=120, layout="constrained")
+    # Attaching the Agg canvas explicitly keeps savefig independent of the pyplot backend.
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(2, 2, height_ratios=[3, 1])
+    ax_rel = fig.add_subplot(grid[0, 0])
+    ax_hist = fig.add_subplot(grid[1, 0], sharex=ax_rel)
+    ax_cw = fig.add_subplot(grid[:, 1])
+    _draw_top_label(
+        ax_rel,
+        ax_hist,
+        top,
+        f"Top-label reliability (conf-ECE {ece:.3f}, acc {acc:.3f})",
+        f"conf-ECE = {ece:.3f}, acc = {acc:.3f}",
+        "confidence (top option probability)",
+    )
 
     for j in range(k):
         bins = reliability_bins(p[:, j], y == j, n_bins)
@@ -118,6 +129,35 @@ def plot_reliability_diagram(
     ax_cw.set_title(f"Class-wise reliability (cw-ECE {cw:.3f})")
     ax_cw.legend(title="option", loc="best", fontsize=8, ncol=1 if k <= 8 else 2)
 
+    if title:
+        fig.suptitle(title)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=120)
+    return out
+
+
+def plot_confidence_reliability(
+    confidences: Any,
+    correct: Any,
+    path: str | Path,
+    title: str = "",
+    n_bins: int = 10,
+    metric: str = "Sem-ECE",
+    xlabel: str = "confidence (share of samples in the largest answer cluster)",
+) -> Path:
+    """A top-label reliability diagram from (confidence, correct) pairs, e.g. open-ended QA."""
+    top = reliability_bins(confidences, correct, n_bins)
+    ece, acc = top.expected_gap(), float(np.mean(np.asarray(correct, dtype=float)))
+    fig = Figure(figsize=(6, 5.5), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(2, 1, height_ratios=[3, 1])
+    ax_rel = fig.add_subplot(grid[0])
+    ax_hist = fig.add_subplot(grid[1], sharex=ax_rel)
+    label = f"{metric} = {ece:.3f}, acc = {acc:.3f}"
+    _draw_top_label(
+        ax_rel, ax_hist, top, f"Reliability ({metric} {ece:.3f}, acc {acc:.3f})", label, xlabel
+    )
     if title:
         fig.suptitle(title)
     out = Path(path)

@@ -10,6 +10,9 @@ from calm_lightning.evaluation.reliability import plot_reliability_diagram
 
 TABLE_COLUMNS = (
     ("accuracy", "acc"),
+    ("sem_ece", "Sem-ECE"),
+    ("mean_confidence", "mean conf"),
+    ("unattempted", "no answer"),
     ("conf_ece", "conf-ECE"),
     ("cw_ece", "cw-ECE"),
     ("mce", "MCE"),
@@ -70,17 +73,19 @@ def write_mcqa_results(
 
 
 def format_table(rows: dict[str, dict]) -> str:
-    """A fixed-width table, one row per method (name -> metrics dict)."""
+    """A fixed-width table, one row per method (name -> metrics dict); a column appears when
+    some row has that metric (MCQA and open-ended QA report different ones)."""
+    columns = [(k, label) for k, label in TABLE_COLUMNS if any(k in m for m in rows.values())]
     width = max([len("method")] + [len(name) for name in rows])
-    header = "method".ljust(width) + "".join(f"{label:>10}" for _, label in TABLE_COLUMNS)
+    header = "method".ljust(width) + "".join(f"{label:>10}" for _, label in columns)
     lines = [header, "-" * len(header)]
     for name, metrics in rows.items():
         cells = []
-        for key, _ in TABLE_COLUMNS:
+        for key, _ in columns:
             value = metrics.get(key)
             if value is None:
                 cells.append(f"{'-':>10}")
-            elif key == "accuracy":
+            elif key in ("accuracy", "unattempted"):
                 cells.append(f"{100 * value:>9.2f}%")
             else:
                 cells.append(f"{value:>10.4f}")

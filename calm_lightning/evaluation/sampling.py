@@ -10,10 +10,21 @@ reused, hence the hand-written loop.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from calm_lightning.data.collate import pad_left
 from calm_lightning.models.calibrated_lm import positions_from_mask
+
+
+def _cache_names(lm) -> tuple[str, str]:
+    """(forward keyword, output attribute) of the KV cache: transformers 5.x renamed
+    `past_key_values` to `cache` (the old name is deprecated, to be removed in 5.40)."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # under peft's wrapper
+    if "cache" in inspect.signature(base.forward).parameters:
+        return "cache", "cache"
+    return "past_key_values", "past_key_values"
 
 
 def _stop_ids(tokenizer, stop_on_newline: bool) -> set[int]:
@@ -36,10 +47,15 @@ def sample_answers(
     seed: int = 0,
     stop_on_newline: bool = True,
     batch_size: int = 4,
+    generator: torch.Generator | None = None,
 ) -> list[list[str]]:
-    """n sampled answers per prompt (rendered prompt texts). temperature 0 = greedy."""
+    """n sampled answers per prompt (rendered prompt texts). temperature 0 = greedy.
+
+    `generator` (on the model's device) continues a random stream across calls; without it a
+    fresh one is seeded with `seed`."""
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    if generator is None:
+        generator = torch.Generator(device=device).manual_seed(seed)
     stop_set = _stop_ids(tokenizer, stop_on_newline)
     stop = torch.tensor(sorted(stop_set), device=device)
     answers: list[list[str]] = []
@@ -55,7 +71,8 @@ def sample_answers(
             use_cache=True,
             logits_to_keep=1,
         )
-        cache = out.past_key_values
+        cache_kwarg, cache_attr = _cache_names(model.lm)
+        cache = getattr(out, cache_attr)
         cache.batch_repeat_interleave(n)
         mask = mask.repeat_interleave(n, dim=0)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
@@ -79,10 +96,10 @@ def sample_answers(
                 input_ids=nxt[:, None],
                 attention_mask=mask,
                 position_ids=positions_from_mask(mask)[:, -1:],
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_kwarg: cache},
             )
-            cache, logits = step.past_key_values, step.logits[:, -1]
+            cache, logits = getattr(step, cache_attr), step.logits[:, -1]
         generated = torch.stack(tokens, dim=1).tolist()
         for q in range(len(chunk)):
             samples = []

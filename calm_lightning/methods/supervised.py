@@ -19,6 +19,7 @@ from calm_lightning.methods.objectives import (
     adjusted_predictions,
     cross_entropy,
     mean_entropy,
+    response_positions,
     select_response_logits,
 )
 from calm_lightning.methods.training import TrainingMethod, first_non_finite
@@ -41,9 +42,9 @@ def bin_statistics(confidence: torch.Tensor, correct: torch.Tensor, n_bins: int 
 
 
 def initial_bin_statistics(batches) -> tuple[list, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From (ids, probs, targets) batches of the initial model: the example ids (only
-    meaningful with one prediction per example, i.e. options mode), every prediction's bin,
-    and the per-bin accuracy and count."""
+    """From (ids, probs, targets) batches of the initial model: the example id of every
+    prediction (one per MCQA example in options mode, one per response token in vocab mode),
+    every prediction's bin, and the per-bin accuracy and count."""
     ids, confidence, correct = [], [], []
     for batch_ids, probs, targets in batches:
         top, prediction = probs.max(-1)
@@ -126,7 +127,8 @@ class SupervisedMethod(TrainingMethod):
     def initial_predictions(self):
         """Yield (ids, probabilities, targets) of the untouched model over the training
         split in a fixed order (one pass, as LS and CFT need before training); at most
-        `initial_pass_batches` batches when set."""
+        `initial_pass_batches` batches when set. `ids` names each prediction's example: in
+        vocab mode an example's id repeats once per response token, in token order."""
         datamodule = self.trainer.datamodule
         was_training = self.model.training
         self.model.eval()
@@ -136,7 +138,11 @@ class SupervisedMethod(TrainingMethod):
                     break
                 batch = move_data_to_device(batch, self.device)
                 _, logits, targets = self.scored_predictions(batch)
-                yield batch["ids"], logits.float().softmax(-1), targets
+                ids = list(batch["ids"])
+                if self.mode == "vocab":
+                    counts = response_positions(batch["labels"]).sum(1).tolist()
+                    ids = [i for i, n in zip(ids, counts, strict=True) for _ in range(n)]
+                yield ids, logits.float().softmax(-1), targets
         finally:
             self.model.train(was_training)
 
@@ -168,31 +174,52 @@ def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 class LabelSmoothing(SupervisedMethod):
     """Label smoothing with a per-sample epsilon from the initial model's confidence bin:
-    a sample whose initial confidence falls in bin b has eps = 1 - acc_b (acc_b: the initial
-    model's accuracy in that bin over the training set)."""
+    a prediction whose initial confidence falls in bin b has eps = 1 - acc_b (acc_b: the
+    initial model's accuracy in that bin over the training set).
+
+    On MCQA data a prediction is the answer letter (K-way); on instruction / open-QA data it
+    is each response token's next-token distribution (V-way, the gold token keeps 1 - eps and
+    eps is spread uniformly over the rest of the vocabulary), binned per token.
+    """
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        self.initial_pass_batches = None  # every training sample needs its own bin
-        if self.mode != "options":
-            raise ConfigError(
-                "label smoothing needs option labels (an MCQA training split, e.g. setting=id)"
-            )
+        self.initial_pass_batches = None  # every training prediction needs its own bin
         ids, bins, self.bin_accuracy, _ = initial_bin_statistics(self.initial_predictions())
-        # One prediction per MCQA example (the answer slot), so ids line up with bins.
-        self.sample_accuracy = {
-            i: float(self.bin_accuracy[b]) for i, b in zip(ids, bins.tolist(), strict=True)
-        }
+        # In order: one entry per MCQA example, or one per response token of each example.
+        self.sample_accuracy: dict[str, list[float]] = {}
+        for i, b in zip(ids, bins.tolist(), strict=True):
+            self.sample_accuracy.setdefault(i, []).append(float(self.bin_accuracy[b]))
+
+    def _accuracy_of(self, batch: dict, n_predictions: int, device) -> torch.Tensor:
+        values = [a for i in batch["ids"] for a in self.sample_accuracy[i]]
+        if len(values) != n_predictions:
+            raise RuntimeError(
+                f"label smoothing: {n_predictions} predictions in the batch but {len(values)} "
+                "binned by the initial pass (the collation changed between the passes)"
+            )
+        return torch.tensor(values, device=device, dtype=torch.float32)
 
     def loss(self, batch):
         _, logits, targets = self.scored_predictions(batch)
-        accuracy = torch.tensor(
-            [self.sample_accuracy[i] for i in batch["ids"]],
-            device=logits.device,
-            dtype=torch.float32,
-        )
-        soft = smoothed_targets(targets, accuracy, logits.shape[-1])
-        return soft_cross_entropy(logits, soft), {"mean_eps": float((1 - accuracy).mean())}
+        accuracy = self._accuracy_of(batch, logits.shape[0], logits.device)
+        if self.mode == "options":
+            soft = smoothed_targets(targets, accuracy, logits.shape[-1])
+            loss = soft_cross_entropy(logits, soft)
+        else:
+            loss = smoothed_vocab_cross_entropy(logits, targets, accuracy)
+        return loss, {"mean_eps": float((1 - accuracy).mean())}
+
+
+def smoothed_vocab_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
+    """Cross-entropy against soft labels over the whole vocabulary without building them: the
+    gold token has probability `keep`, every other token (1 - keep) / (V - 1)."""
+    log_p = F.log_softmax(logits.float(), dim=-1)
+    gold = log_p.gather(1, targets[:, None]).squeeze(1)
+    rest = (log_p.sum(-1) - gold) / (logits.shape[-1] - 1)
+    return -(keep * gold + (1 - keep) * rest).mean()
 
 
 def cft_targets(rest: torch.Tensor, accuracy: torch.Tensor) -> torch.Tensor:

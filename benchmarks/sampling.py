@@ -1,0 +1,142 @@
+"""Cost of drawing Sem-ECE samples: the cached sampler (each prompt encoded once, its KV cache
+repeated n times, all n answers drawn together) against n separate `generate` calls per
+question, on the same prompts, measured in one run.
+
+Prints the ratio (target from issue 7: >= 5x) and, for reference, `generate` with
+`num_return_sequences=n`. Every way samples at temperature 1 over the full vocabulary until
+end of turn or `--max-new-tokens`; `generate` has no newline stop (it would need a stopping
+criterion), so the ratio uses the cached sampler timed without its newline stop as well (the
+evaluation's setting, with the stop, is printed too and is faster still).
+
+    python benchmarks/sampling.py                          # embedded SmolLM2, 8 questions x 20
+    python benchmarks/sampling.py --model tiny --questions 2 --samples 4   # seconds, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+QUESTIONS = [
+    "What is the capital of Australia?",
+    "Who wrote the novel Nineteen Eighty-Four?",
+    "Which planet is known as the Red Planet?",
+    "In which year did the Berlin Wall fall?",
+    "What is the chemical symbol for gold?",
+    "Who painted the Mona Lisa?",
+    "What is the largest ocean on Earth?",
+    "Which composer wrote the Moonlight Sonata?",
+    "What is the tallest mountain in Africa?",
+    "Which country hosted the 2016 Summer Olympics?",
+    "What is the currency of Japan?",
+    "Who discovered penicillin?",
+]
+MODELS = {
+    "smollm2": {"name": "smollm2", "source": "embedded", "dtype": "float32"},
+    "tiny": {"name": "tiny", "source": "tiny", "tiny": {"embedding_scale": 1.0}},
+}
+
+
+def _generate_separately(lm, tokenizer, prompt: str, n: int, max_new_tokens: int) -> None:
+    import torch
+
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    for _ in range(n):
+        with torch.no_grad():
+            lm.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                top_k=0,
+                temperature=1.0,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+
+
+def _generate_returning_n(lm, tokenizer, prompt: str, n: int, max_new_tokens: int) -> None:
+    import torch
+
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        lm.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            top_k=0,
+            temperature=1.0,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=n,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=4, help="questions per cached-sampler batch")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    args = parser.parse_args()
+
+    import torch
+
+    from calm_lightning.data.prompts import render_prompt
+    from calm_lightning.evaluation.sampling import sample_answers
+    from calm_lightning.models.calibrated_lm import CalibratedLM
+    from calm_lightning.models.loading import load_language_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_language_model(MODELS[args.model])
+    lm, tokenizer = loaded.model.eval(), loaded.tokenizer
+    model = CalibratedLM(lm).eval()
+    questions = (QUESTIONS * (1 + args.questions // len(QUESTIONS)))[: args.questions]
+    prompts = [render_prompt(tokenizer, f"Answer briefly. {q}") for q in questions]
+    n, m = args.samples, args.max_new_tokens
+
+    # Warm-up (first-call allocations, lazy kernels) outside the timings.
+    sample_answers(model, tokenizer, prompts[:1], n=2, max_new_tokens=2)
+    _generate_separately(lm, tokenizer, prompts[0], 1, 2)
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def cached(stop_on_newline: bool):
+        return lambda: sample_answers(
+            model,
+            tokenizer,
+            prompts,
+            n=n,
+            max_new_tokens=m,
+            batch_size=args.batch,
+            stop_on_newline=stop_on_newline,
+        )
+
+    per_question = {}
+    per_question["cached sampler, no newline stop"] = timed(cached(False)) / len(prompts)
+    per_question["cached sampler, newline stop (as evaluated)"] = timed(cached(True)) / len(prompts)
+    separate = [timed(lambda p=p: _generate_separately(lm, tokenizer, p, n, m)) for p in prompts]
+    per_question[f"{n} separate generate calls"] = statistics.fmean(separate)
+    returning = [timed(lambda p=p: _generate_returning_n(lm, tokenizer, p, n, m)) for p in prompts]
+    per_question[f"generate(num_return_sequences={n})"] = statistics.fmean(returning)
+
+    print(f"model {args.model}, {len(prompts)} questions x {n} samples x {m} new tokens")
+    for name, seconds in per_question.items():
+        print(f"  {name:<45} {seconds:8.3f} s / question")
+    base = per_question["cached sampler, no newline stop"]
+    ratio = per_question[f"{n} separate generate calls"] / base
+    print(f"speed-up vs {n} generate calls: {ratio:.2f}x (target >= 5x)")
+    print(
+        f"speed-up vs num_return_sequences: "
+        f"{per_question[f'generate(num_return_sequences={n})'] / base:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()

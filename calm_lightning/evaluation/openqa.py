@@ -1,0 +1,164 @@
+"""Open-ended QA evaluation (Sem-ECE): sample n answers per question with the calibrated model,
+cluster equivalent answers, take the largest cluster's answer and share, grade it against the
+gold aliases, then write the same metrics.json / predictions.jsonl / reliability.png as MCQA.
+
+Defaults follow the paper: 20 samples per question at temperature 1.0, 10 equal-width bins.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from calm_lightning.calibration.semantic import (
+    Clusterer,
+    ExactMatchClusterer,
+    extract_answer,
+    grade,
+    modal_answer,
+    semantic_ece,
+    split_half_answer,
+)
+from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.reliability import plot_confidence_reliability
+from calm_lightning.evaluation.sampling import sample_answers
+
+CONFIDENCES = ("modal", "split_half")
+
+
+@dataclass
+class OpenQASettings:
+    """How open-ended answers are sampled, clustered and graded (`evaluation.openqa`)."""
+
+    n_samples: int = 20
+    temperature: float = 1.0
+    max_new_tokens: int = 16
+    clusterer: Clusterer = field(default_factory=ExactMatchClusterer)
+    f1_threshold: float = 0.8
+    containment: bool = True
+    confidence: str = "modal"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.confidence not in CONFIDENCES:
+            raise ConfigError(
+                f"evaluation.openqa.confidence={self.confidence!r} is not one of "
+                f"{', '.join(CONFIDENCES)}"
+            )
+        if self.n_samples < (2 if self.confidence == "split_half" else 1):
+            raise ConfigError("evaluation.openqa.n_samples is too small for this confidence")
+
+
+def score_openqa_batch(
+    model, tokenizer, batch: dict, settings: OpenQASettings, generator: torch.Generator
+) -> list[dict]:
+    """Sample, cluster and grade one batch of questions; one result row per question."""
+    texts = sample_answers(
+        model,
+        tokenizer,
+        batch["prompts"],
+        n=settings.n_samples,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        batch_size=len(batch["prompts"]),
+        generator=generator,
+    )
+    rows = []
+    for qid, question, aliases, raw in zip(
+        batch["ids"], batch["questions"], batch["answers"], texts, strict=True
+    ):
+        samples = [extract_answer(t) for t in raw]
+        clusters = settings.clusterer(samples)
+        choose = split_half_answer if settings.confidence == "split_half" else modal_answer
+        prediction = choose(samples, ids=clusters)
+        correct = grade(prediction.answer, aliases, settings.f1_threshold, settings.containment)
+        rows.append(
+            {
+                "id": qid,
+                "question": question,
+                "aliases": list(aliases),
+                "answer": prediction.answer,
+                "confidence": prediction.confidence,
+                "correct": bool(correct),
+                "unattempted": prediction.unattempted,
+                "n_clusters": prediction.n_clusters,
+                "samples": samples,
+                "clusters": [int(c) for c in clusters],
+            }
+        )
+    return rows
+
+
+@dataclass
+class OpenQAPredictions:
+    """Per-question results of an open-ended test split, in dataset order."""
+
+    rows: list[dict]
+    settings: OpenQASettings
+
+    @property
+    def ids(self) -> list[str]:
+        return [r["id"] for r in self.rows]
+
+    @property
+    def confidences(self) -> np.ndarray:
+        return np.array([r["confidence"] for r in self.rows], dtype=float)
+
+    @property
+    def correct(self) -> np.ndarray:
+        return np.array([r["correct"] for r in self.rows], dtype=bool)
+
+    def report(self, n_bins: int = 10) -> dict[str, float]:
+        if not self.rows:
+            raise ValueError("no open-ended questions were scored")
+        conf, correct = self.confidences, self.correct
+        return {
+            "sem_ece": semantic_ece(conf, correct, n_bins),
+            "accuracy": float(correct.mean()),
+            "mean_confidence": float(conf.mean()),
+            "unattempted": float(np.mean([r["unattempted"] for r in self.rows])),
+            "mean_clusters": float(np.mean([r["n_clusters"] for r in self.rows])),
+            "n": len(self.rows),
+        }
+
+    def describe(self) -> dict:
+        """The sampling / clustering / grading settings, for metrics.json."""
+        s = self.settings
+        return {
+            "n_samples": s.n_samples,
+            "temperature": s.temperature,
+            "max_new_tokens": s.max_new_tokens,
+            "clusterer": type(s.clusterer).__name__,
+            "clusterer_threshold": getattr(s.clusterer, "threshold", None),
+            "f1_threshold": s.f1_threshold,
+            "containment": s.containment,
+            "confidence": s.confidence,
+            "seed": s.seed,
+        }
+
+
+def write_openqa_results(
+    directory: str | Path, predictions: OpenQAPredictions, metrics: dict, meta: dict, title=""
+) -> dict[str, Path]:
+    """metrics.json, one predictions.jsonl row per question (samples, clusters, confidence,
+    correctness) and the reliability diagram, under `directory`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "metrics": directory / "metrics.json",
+        "predictions": directory / "predictions.jsonl",
+        "reliability": directory / "reliability.png",
+    }
+    payload = {"metrics": metrics, **meta, "task": "openqa", "sampling": predictions.describe()}
+    paths["metrics"].write_text(json.dumps(payload, indent=2))
+    with paths["predictions"].open("w", encoding="utf-8") as handle:
+        for row in predictions.rows:
+            handle.write(json.dumps(dict(row, confidence=round(row["confidence"], 6))) + "\n")
+    plot_confidence_reliability(
+        predictions.confidences, predictions.correct, paths["reliability"], title=title
+    )
+    return paths
