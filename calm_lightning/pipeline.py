@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.openqa import OpenQAPredictions, write_openqa_results
 from calm_lightning.evaluation.results import format_table, write_mcqa_results
+from calm_lightning.methods.reference import check_reference_model
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.loading import LoadedModel, load_language_model
 from calm_lightning.models.logit_adjustment import LogitAdjustment
@@ -67,6 +68,7 @@ def check_method_fits_setting(cfg: DictConfig, sources: dict) -> None:
         raise ConfigError(
             f"method={cfg.method.name} cannot run in setting={cfg.setting.name}: {reason}"
         )
+    check_reference_model(cfg)
     if requires.get("heldout") and sources.get("heldout") is None:
         raise ConfigError(
             f"method={cfg.method.name} needs held-out data, which setting={cfg.setting.name} "

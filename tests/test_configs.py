@@ -19,15 +19,42 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-@pytest.mark.parametrize("model", options("model"))
-@pytest.mark.parametrize("method", options("method"))
-@pytest.mark.parametrize("setting", options("setting"))
-def test_every_combination_composes(model, method, setting, tmp_path):
-    cfg = compose_run([f"model={model}", f"method={method}", f"setting={setting}"], tmp_path)
+def _check_composes(model: str, method: str, setting: str, tmp_path, extra=()):
+    overrides = [f"model={model}", f"method={method}", f"setting={setting}", *extra]
+    cfg = compose_run(overrides, tmp_path)
     OmegaConf.resolve(cfg)  # every interpolation resolves
     assert cfg.model.name == model and cfg.method.name == method and cfg.setting.name == setting
     assert cfg.model.source in {"embedded", "hub", "tiny"}
     get_class(cfg.method.module._target_)  # the method's LightningModule exists
+    return cfg
+
+
+# Methods and settings interact (optional method_setting files, interpolations), so every pair
+# is composed; a model only fills the `model` node, so each is composed once (the full cross
+# product grew past a thousand compositions, ~2.5 min, for no extra coverage).
+@pytest.mark.parametrize("method", options("method"))
+@pytest.mark.parametrize("setting", options("setting"))
+def test_every_method_setting_pair_composes(method, setting, tmp_path):
+    _check_composes("tiny", method, setting, tmp_path)
+
+
+@pytest.mark.parametrize("model", options("model"))
+def test_every_model_composes(model, tmp_path):
+    _check_composes(model, "ts", "id", tmp_path)
+
+
+@pytest.mark.parametrize("reference", options("reference_model"))
+def test_every_reference_model_composes(reference, tmp_path):
+    cfg = _check_composes(
+        "tiny", "dual_align", "demo_posthoc", tmp_path, [f"reference_model={reference}"]
+    )
+    node = cfg.method.module.reference_model
+    if reference == "none":
+        assert not node
+    else:
+        assert node.name == reference and node.source in {"hub", "tiny"}
+        if node.source == "hub":  # its PoLM exists as a model config
+            assert node.pairs_with in options("model")
 
 
 @pytest.mark.parametrize("logger", options("logger"))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -136,3 +137,24 @@ def test_tiny_multirun_sweep_with_a_failing_job_then_report(tmp_path):
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
     assert "2 finished runs, 2 failed" in report
     assert (tmp_path / "sweep" / "report" / "reliability_grid.png").is_file()
+
+
+def test_seeded_posthoc_runs_average_into_one_row_with_all_metrics(tmp_path):
+    """Keys that follow the seed (a method's seed, the 30 / 70 split's seed) are not
+    hyper-parameters; the table shows MCE, ACE and Brier as mean ± std over seeds."""
+    for seed, ece in enumerate((0.02, 0.04, 0.06)):
+        run = _fake_run(
+            tmp_path, f"d{seed}", "dual_align", {"conf_ece": ece, "ace": 0.1 * seed}, seed=seed
+        )
+        config = OmegaConf.load(run / "config_resolved.yaml")
+        config.method.module.seed = seed
+        config.setting.test = {"seed": seed}
+        OmegaConf.save(config, run / "config_resolved.yaml")
+    (choice,) = select(collect_runs([tmp_path]))
+    assert choice.n_seeds == 3 and choice.params == {}
+    assert choice.mean["conf_ece"] == pytest.approx(0.04)
+    assert choice.std["ace"] == pytest.approx(np.std([0.0, 0.1, 0.2]))
+    from calm_lightning.reporting.report import markdown_tables
+
+    table = markdown_tables([choice])
+    assert "| MCE | ACE | Brier |" in table and "0.0400 ± 0.0163" in table

@@ -185,10 +185,22 @@ def reliability_bins(confidences: Any, correct: Any, n_bins: int = 10) -> Reliab
 # Private versions take already-validated arrays so that calibration_report validates once.
 
 
-def _top_label(p: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    # argmax takes the first of tied options, the same rule as the accuracy metric.
-    pred = np.argmax(p, axis=1)
+def _top_label(
+    p: np.ndarray, y: np.ndarray, predictions: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    # argmax takes the first of tied options, the same rule as the accuracy metric. Methods
+    # that state their answer separately (verbalised or layer-agreement confidence) pass it.
+    pred = np.argmax(p, axis=1) if predictions is None else predictions
     return p[np.arange(p.shape[0]), pred], (pred == y)
+
+
+def _validate_predictions(predictions: Any, p: np.ndarray) -> np.ndarray | None:
+    if predictions is None:
+        return None
+    pred = _as_numpy(predictions).astype(np.int64)
+    if pred.shape != (p.shape[0],) or np.any((pred < 0) | (pred >= p.shape[1])):
+        raise ValueError(f"predictions must be (N,) option indices in [0, {p.shape[1]})")
+    return pred
 
 
 def _classwise_bins(p: np.ndarray, y: np.ndarray, n_bins: int) -> list[ReliabilityBins]:
@@ -271,10 +283,16 @@ def accuracy(probs: Any, labels: Any) -> float:
     return float(np.mean(_top_label(p, y)[1]))
 
 
-def calibration_report(probs: Any, labels: Any, n_bins: int = 10) -> dict[str, float]:
-    """All metrics at once; ``n_bins`` is also the number of ACE ranges, ``n`` is an int."""
+def calibration_report(
+    probs: Any, labels: Any, n_bins: int = 10, predictions: Any = None
+) -> dict[str, float]:
+    """All metrics at once; ``n_bins`` is also the number of ACE ranges, ``n`` is an int.
+
+    ``predictions`` (N,) overrides the argmax as the answer for accuracy, conf-ECE and MCE
+    (methods whose confidence belongs to a stated answer); the other metrics read ``probs``.
+    """
     p, y = validate_inputs(probs, labels)
-    conf, hit = _top_label(p, y)
+    conf, hit = _top_label(p, y, _validate_predictions(predictions, p))
     top = reliability_bins(conf, hit, n_bins)
     return {
         "accuracy": float(np.mean(hit)),

@@ -10,9 +10,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from calm_lightning.calibration.metrics import (
-    accuracy,
     classwise_ece,
-    confidence_ece,
     reliability_bins,
     validate_inputs,
 )
@@ -78,15 +76,22 @@ def _draw_top_label(ax_rel, ax_hist, top, title: str, legend: str, xlabel: str) 
 
 
 def plot_reliability_diagram(
-    probs: Any, labels: Any, path: str | Path, title: str = "", n_bins: int = 10
+    probs: Any,
+    labels: Any,
+    path: str | Path,
+    title: str = "",
+    n_bins: int = 10,
+    predictions: Any = None,
 ) -> Path:
-    """Write a top-label and a class-wise reliability diagram side by side to ``path`` (PNG)."""
+    """Write a top-label and a class-wise reliability diagram side by side to ``path`` (PNG).
+
+    ``predictions`` (stated answers) replaces the argmax in the top-label panel."""
     p, y = validate_inputs(probs, labels)
     k = p.shape[1]
-    pred = np.argmax(p, axis=1)
+    pred = np.argmax(p, axis=1) if predictions is None else np.asarray(predictions, dtype=int)
     top = reliability_bins(p[np.arange(p.shape[0]), pred], pred == y, n_bins)
-    ece = confidence_ece(p, y, n_bins)
-    acc = accuracy(p, y)
+    ece = top.expected_gap()
+    acc = float(np.mean(pred == y))
     cw = classwise_ece(p, y, n_bins)
 
     fig = Figure(figsize=(11, 5.5), dpi=120, layout="constrained")

@@ -16,6 +16,7 @@ TABLE_COLUMNS = (
     ("conf_ece", "conf-ECE"),
     ("cw_ece", "cw-ECE"),
     ("mce", "MCE"),
+    ("ace", "ACE"),
     ("brier", "Brier"),
     ("nll", "NLL"),
 )
@@ -44,22 +45,29 @@ def write_mcqa_results(
     paths["metrics"].write_text(json.dumps(payload, indent=2))
     letters = predictions.option_tokens.letters
     with paths["predictions"].open("w", encoding="utf-8") as handle:
-        for example_id, probs, label in zip(
-            predictions.ids, predictions.probs, predictions.labels, strict=True
+        stated = predictions.predicted
+        if stated is None:
+            stated = predictions.probs.argmax(1)
+        for example_id, probs, label, prediction in zip(
+            predictions.ids, predictions.probs, predictions.labels, stated, strict=True
         ):
-            prediction = int(probs.argmax())
+            prediction = int(prediction)
             row = {
                 "id": example_id,
                 "probs": [round(float(p), 6) for p in probs],
                 "label": int(label),
                 "prediction": prediction,
                 "predicted_letter": letters[prediction],
-                "confidence": round(float(probs.max()), 6),
+                "confidence": round(float(probs[prediction]), 6),
                 "correct": prediction == int(label),
             }
             handle.write(json.dumps(row) + "\n")
     plot_reliability_diagram(
-        predictions.probs, predictions.labels, paths["reliability"], title=title
+        predictions.probs,
+        predictions.labels,
+        paths["reliability"],
+        title=title,
+        predictions=predictions.predicted,
     )
     return paths
 

@@ -7,7 +7,7 @@ A training method subclasses `CalibrationMethod`, sets `trains = True` and imple
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import lightning as L
 import numpy as np
@@ -29,9 +29,14 @@ class MCQAPredictions:
     probs: np.ndarray  # (N, K) float64
     labels: np.ndarray  # (N,)
     option_tokens: OptionTokens
+    predicted: np.ndarray | None = None  # (N,) stated answers; None = argmax of probs
+    extra: dict = field(default_factory=dict)  # method-specific counts for metrics.json
 
     def report(self, n_bins: int = 10) -> dict[str, float]:
-        return calibration_report(self.probs, self.labels, n_bins=n_bins)
+        metrics = calibration_report(
+            self.probs, self.labels, n_bins=n_bins, predictions=self.predicted
+        )
+        return {**metrics, **self.extra}
 
 
 class CalibrationMethod(L.LightningModule):
@@ -98,9 +103,17 @@ class CalibrationMethod(L.LightningModule):
                 self.model, self.tokenizer, batch, self.openqa, self._generator
             )
             return
+        probs, predicted = self.option_probabilities(batch)
+        self._test_rows.append(
+            (list(batch["ids"]), probs.double().cpu(), batch["labels"].cpu(), predicted)
+        )
+
+    def option_probabilities(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, K) option probabilities and, for methods that state their answer apart from
+        the probabilities, the (B,) answers (None = the argmax). Methods that produce their
+        confidence differently (IC, CAPE, elicitation) override this, nothing else."""
         logits = score_options(self.model, batch, self.option_tokens)
-        probs = torch.softmax(logits.double(), dim=-1)
-        self._test_rows.append((list(batch["ids"]), probs.cpu(), batch["labels"].cpu()))
+        return torch.softmax(logits.double(), dim=-1), None
 
     def on_test_epoch_end(self) -> None:
         if self._open_ended:
@@ -112,10 +125,12 @@ class CalibrationMethod(L.LightningModule):
         self._test_rows = []
 
     def _mcqa_predictions(self) -> MCQAPredictions:
-        ids = [i for rows, _, _ in self._test_rows for i in rows]
-        probs = torch.cat([p for _, p, _ in self._test_rows]).numpy()
-        labels = torch.cat([y for _, _, y in self._test_rows]).numpy()
-        return MCQAPredictions(ids, probs, labels, self.option_tokens)
+        ids = [i for rows, _, _, _ in self._test_rows for i in rows]
+        probs = torch.cat([p for _, p, _, _ in self._test_rows]).numpy()
+        labels = torch.cat([y for _, _, y, _ in self._test_rows]).numpy()
+        stated = [a for _, _, _, a in self._test_rows]
+        predicted = None if stated[0] is None else torch.cat(stated).cpu().numpy()
+        return MCQAPredictions(ids, probs, labels, self.option_tokens, predicted)
 
     def save_calibration(self, directory) -> None:
         """Write what training changed (adapter + head) to `directory`."""

@@ -237,5 +237,9 @@ def _build_tiny(cfg: dict) -> LoadedModel:
     # confident enough that calibration metrics and the head have something to act on.
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(float(tiny.get("embedding_scale", 1.0)))
+        # Scaling the final norm's weight multiplies every output logit (and every logit-lens
+        # readout) by k: a stand-in "post-trained" model whose exact temperature is 1 / k
+        # relative to the unscaled one (the unembedding is tied, so it cannot be scaled alone).
+        model.model.norm.weight.mul_(float(tiny.get("logit_scale", 1.0)))
     model.eval()
     return LoadedModel(model, tokenizer, cfg.get("name", "tiny"), False, torch.float32)

@@ -17,7 +17,15 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-COLUMNS = (("conf_ece", "conf-ECE", min), ("cw_ece", "cw-ECE", min), ("accuracy", "Acc.", max))
+COLUMNS = (
+    ("conf_ece", "conf-ECE", min),
+    ("cw_ece", "cw-ECE", min),
+    ("mce", "MCE", min),
+    ("ace", "ACE", min),
+    ("brier", "Brier", min),
+    ("accuracy", "Acc.", max),
+)
+RESULT_METRICS = ("accuracy", "conf_ece", "cw_ece", "mce", "ace", "brier", "nll")
 IGNORED_KEYS = ("paths.", "hydra.", "trainer.default_root_dir", "logger.", "callbacks.", "seed")
 
 
@@ -85,10 +93,18 @@ def _mark_swept_parameters(runs: list[Run]) -> None:
         varying = sorted(
             k
             for k in keys
-            if not k.startswith(IGNORED_KEYS) and len({repr(m.config.get(k)) for m in members}) > 1
+            if not k.startswith(IGNORED_KEYS)
+            and len({repr(m.config.get(k)) for m in members}) > 1
+            and not _follows_seed(k, members)
         )
         for member in members:
             member.params = {k: member.config.get(k) for k in varying}
+
+
+def _follows_seed(key: str, members: list[Run]) -> bool:
+    """Keys interpolated from `${seed}` (a method's or a data split's seed) vary with the seed
+    and are not hyper-parameters: runs that differ only there are seeds of one setting."""
+    return all(m.config.get(key) == m.seed for m in members)
 
 
 @dataclass
@@ -161,6 +177,8 @@ def select(
 
 
 def _cell(choice: Choice, key: str, bold: bool) -> str:
+    if key not in choice.mean:  # runs written before this metric existed
+        return "-"
     value, spread = choice.mean[key], choice.std[key]
     text = f"{100 * value:.2f}%" if key == "accuracy" else f"{value:.4f}"
     if choice.n_seeds > 1:
@@ -176,7 +194,12 @@ def markdown_tables(choices: list[Choice]) -> str:
         by_table[(choice.model, choice.setting)].append(choice)
     parts = []
     for (model, setting), rows in sorted(by_table.items()):
-        best = {key: pick(rows, key=lambda c, k=key: c.mean[k]) for key, _, pick in COLUMNS}
+        best = {
+            key: pick(
+                rows, key=lambda c, k=key, p=pick: c.mean.get(k, np.inf if p is min else -np.inf)
+            )
+            for key, _, pick in COLUMNS
+        }
         parts.append(f"### {model} / {setting}\n")
         parts.append("| method | " + " | ".join(label for _, label, _ in COLUMNS) + " | seeds |")
         parts.append("|---|" + "---|" * (len(COLUMNS) + 1))
@@ -192,7 +215,20 @@ def markdown_tables(choices: list[Choice]) -> str:
     return "\n".join(parts)
 
 
-_ORDER = ["base", "ts", "ls", "reg", "iterate", "cft", "calm"]
+_ORDER = [
+    "base",
+    "ts",
+    "ls",
+    "reg",
+    "iterate",
+    "cft",
+    "calm",
+    "elicitation",
+    "cape",
+    "ic",
+    "daca",
+    "dual_align",
+]
 
 
 def _method_order(method: str) -> int:
@@ -241,10 +277,7 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                 "status",
                 "accuracy",
                 "conf_ece",
-                "cw_ece",
-                "mce",
-                "brier",
-                "nll",
+                *RESULT_METRICS,
             ]
         )
         for r in runs:
@@ -258,10 +291,7 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                     json.dumps(r.params, default=str),
                     str(r.path),
                     "ok" if r.metrics else f"failed: {r.error}",
-                    *[
-                        m.get(k, "")
-                        for k in ("accuracy", "conf_ece", "cw_ece", "mce", "brier", "nll")
-                    ],
+                    *[m.get(k, "") for k in RESULT_METRICS],
                 ]
             )
     with (out / "selected.csv").open("w", newline="") as handle:
@@ -280,6 +310,12 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                 "conf_ece_std",
                 "cw_ece",
                 "cw_ece_std",
+                "mce",
+                "mce_std",
+                "ace",
+                "ace_std",
+                "brier",
+                "brier_std",
             ]
         )
         for c in choices:
@@ -297,6 +333,11 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                     c.std["conf_ece"],
                     c.mean["cw_ece"],
                     c.std["cw_ece"],
+                    *[
+                        value
+                        for k in ("mce", "ace", "brier")
+                        for value in (c.mean.get(k, ""), c.std.get(k, ""))
+                    ],
                 ]
             )
     grid = reliability_grid(choices, out / "reliability_grid.png")
