@@ -38,11 +38,12 @@ MODELS = {
 }
 
 
-def _generate_separately(lm, tokenizer, prompt: str, n: int, max_new_tokens: int) -> None:
+def _generate(lm, tokenizer, prompt: str, calls: int, per_call: int, max_new_tokens: int) -> None:
+    """`calls` generate calls drawing `per_call` answers each, pure sampling at temperature 1."""
     import torch
 
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    for _ in range(n):
+    for _ in range(calls):
         with torch.no_grad():
             lm.generate(
                 ids,
@@ -51,25 +52,9 @@ def _generate_separately(lm, tokenizer, prompt: str, n: int, max_new_tokens: int
                 top_k=0,
                 temperature=1.0,
                 max_new_tokens=max_new_tokens,
+                num_return_sequences=per_call,
                 pad_token_id=tokenizer.pad_token_id,
             )
-
-
-def _generate_returning_n(lm, tokenizer, prompt: str, n: int, max_new_tokens: int) -> None:
-    import torch
-
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        lm.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            top_k=0,
-            temperature=1.0,
-            max_new_tokens=max_new_tokens,
-            num_return_sequences=n,
-            pad_token_id=tokenizer.pad_token_id,
-        )
 
 
 def main() -> None:
@@ -100,7 +85,7 @@ def main() -> None:
 
     # Warm-up (first-call allocations, lazy kernels) outside the timings.
     sample_answers(model, tokenizer, prompts[:1], n=2, max_new_tokens=2)
-    _generate_separately(lm, tokenizer, prompts[0], 1, 2)
+    _generate(lm, tokenizer, prompts[0], 1, 1, 2)
 
     def timed(fn) -> float:
         start = time.perf_counter()
@@ -121,9 +106,9 @@ def main() -> None:
     per_question = {}
     per_question["cached sampler, no newline stop"] = timed(cached(False)) / len(prompts)
     per_question["cached sampler, newline stop (as evaluated)"] = timed(cached(True)) / len(prompts)
-    separate = [timed(lambda p=p: _generate_separately(lm, tokenizer, p, n, m)) for p in prompts]
+    separate = [timed(lambda p=p: _generate(lm, tokenizer, p, n, 1, m)) for p in prompts]
     per_question[f"{n} separate generate calls"] = statistics.fmean(separate)
-    returning = [timed(lambda p=p: _generate_returning_n(lm, tokenizer, p, n, m)) for p in prompts]
+    returning = [timed(lambda p=p: _generate(lm, tokenizer, p, 1, n, m)) for p in prompts]
     per_question[f"generate(num_return_sequences={n})"] = statistics.fmean(returning)
 
     print(f"model {args.model}, {len(prompts)} questions x {n} samples x {m} new tokens")

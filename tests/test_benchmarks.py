@@ -32,3 +32,23 @@ def test_calm_step_benchmark_runs_on_the_tiny_model():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "time ratio" in done.stdout and "memory ratio" in done.stdout
+
+
+def test_sampling_benchmark_runs_on_the_tiny_model():
+    args = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "sampling.py"),
+        "--model",
+        "tiny",
+        "--questions",
+        "2",
+        "--samples",
+        "3",
+        "--max-new-tokens",
+        "4",
+    ]
+    done = subprocess.run(
+        args, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1")
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "speed-up vs 3 generate calls" in done.stdout

@@ -138,34 +138,32 @@ class ExactMatchClusterer:
         return cluster_exact(answers, question)
 
 
-NUMBER_WORDS = {
-    word: str(value)
-    for value, word in enumerate(
-        [
-            "zero",
-            "one",
-            "two",
-            "three",
-            "four",
-            "five",
-            "six",
-            "seven",
-            "eight",
-            "nine",
-            "ten",
-            "eleven",
-            "twelve",
-            "thirteen",
-            "fourteen",
-            "fifteen",
-            "sixteen",
-            "seventeen",
-            "eighteen",
-            "nineteen",
-            "twenty",
-        ]
-    )
-}
+# Spelled-out numbers below twenty, in order (also read by the elicitation parser).
+UNIT_WORDS = tuple(
+    [
+        "zero",
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "six",
+        "seven",
+        "eight",
+        "nine",
+        "ten",
+        "eleven",
+        "twelve",
+        "thirteen",
+        "fourteen",
+        "fifteen",
+        "sixteen",
+        "seventeen",
+        "eighteen",
+        "nineteen",
+    ]  # noqa: SIM905
+)
+NUMBER_WORDS = {word: str(value) for value, word in enumerate((*UNIT_WORDS, "twenty"))}
 DIGITS = re.compile(r"\d+(?:[.,]\d+)*")
 
 

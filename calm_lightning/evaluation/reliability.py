@@ -75,6 +75,15 @@ def _draw_top_label(ax_rel, ax_hist, top, title: str, legend: str, xlabel: str) 
     ax_hist.set_ylabel("count")
 
 
+def _save(fig: Figure, path: str | Path, title: str) -> Path:
+    if title:
+        fig.suptitle(title)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=120)
+    return out
+
+
 def plot_reliability_diagram(
     probs: Any,
     labels: Any,
@@ -129,12 +138,7 @@ def plot_reliability_diagram(
     ax_cw.set_title(f"Class-wise reliability (cw-ECE {cw:.3f})")
     ax_cw.legend(title="option", loc="best", fontsize=8, ncol=1 if k <= 8 else 2)
 
-    if title:
-        fig.suptitle(title)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=120)
-    return out
+    return _save(fig, path, title)
 
 
 def plot_confidence_reliability(
@@ -158,9 +162,4 @@ def plot_confidence_reliability(
     _draw_top_label(
         ax_rel, ax_hist, top, f"Reliability ({metric} {ece:.3f}, acc {acc:.3f})", label, xlabel
     )
-    if title:
-        fig.suptitle(title)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=120)
-    return out
+    return _save(fig, path, title)

@@ -34,6 +34,7 @@ from calm_lightning.calibration.reference import (
     fit_temperature_adam,
     inferential_stability_entropy,
 )
+from calm_lightning.calibration.semantic import UNIT_WORDS
 from calm_lightning.data.collate import pad_left
 from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, render_prompt
 from calm_lightning.errors import ConfigError
@@ -456,33 +457,7 @@ ELICITATION_INSTRUCTION = (
     "as a percentage from 0 to 100. Reply exactly in this form:\n"
     "Answer: <letter>\nConfidence: <percentage>%"
 )
-_UNITS = {
-    w: i
-    for i, w in enumerate(
-        [
-            "zero",
-            "one",
-            "two",
-            "three",
-            "four",
-            "five",
-            "six",
-            "seven",
-            "eight",
-            "nine",
-            "ten",
-            "eleven",
-            "twelve",
-            "thirteen",
-            "fourteen",
-            "fifteen",
-            "sixteen",
-            "seventeen",
-            "eighteen",
-            "nineteen",
-        ]
-    )
-}
+_UNITS = {word: value for value, word in enumerate(UNIT_WORDS)}
 _TENS = {
     w: 10 * (i + 2)
     for i, w in enumerate(
