@@ -192,3 +192,25 @@ def test_gen_ood_baselines_run(tmp_path, method):
     assert metrics["n"] == 4 and "sem_ece" in metrics
     payload = json.loads((tmp_path / "metrics.json").read_text())
     assert set(payload["comparison"]) == {"base", method}
+
+
+@pytest.mark.slow
+def test_embedded_model_answers_demo_questions(tmp_path):
+    """The real embedded model on a few offline open questions: real answers are sampled,
+    clustered with MiniLM and graded, and the capital questions get some right answers."""
+    cfg = compose_run(
+        [
+            "method=base",
+            "setting=demo_gen_ood",
+            "setting.test.limit=8",
+            "evaluation.openqa.n_samples=8",
+            "trainer.enable_progress_bar=false",
+        ],
+        tmp_path,
+    )
+    metrics = run_experiment(cfg)
+    assert metrics["n"] == 8
+    rows = _check_question_file(tmp_path, 8)
+    answers = [s for r in rows for s in r["samples"]]
+    assert sum(bool(s) for s in answers) > len(answers) // 2  # mostly non-empty text
+    assert any(r["n_clusters"] < 8 for r in rows)  # some samples agree
