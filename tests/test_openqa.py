@@ -185,7 +185,7 @@ def test_gen_ood_sampling_is_reproducible(tmp_path):
     assert sampling["confidence"] == "split_half"
 
 
-@pytest.mark.parametrize("method", ["ls", "reg", "cft", "ts"])
+@pytest.mark.parametrize("method", ["ls", "reg", "cft", "iterate", "ts"])
 def test_gen_ood_baselines_run(tmp_path, method):
     cfg = compose_run(gen_ood(f"method={method}", "method.epochs=1"), tmp_path)
     metrics = run_experiment(cfg)
