@@ -27,6 +27,7 @@ def _fake_run(
     lower_lr: float = 1e-3,
     base: dict | None = None,
     error: str | None = None,
+    openqa: bool = False,
 ):
     run = root / name
     run.mkdir(parents=True)
@@ -38,7 +39,11 @@ def _fake_run(
         "paths": {"output_dir": str(run)},
     }
     OmegaConf.save(OmegaConf.create(config), run / "config_resolved.yaml")
-    if metrics is not None:
+    if metrics is not None and openqa:
+        base_metrics = {"accuracy": 0.0, "sem_ece": 0.0, "mean_confidence": 0.0, "n": 10}
+        payload = {"metrics": base_metrics | metrics, "comparison": {}}
+        (run / "metrics.json").write_text(json.dumps(payload))
+    elif metrics is not None:
         full = {
             "accuracy": 0.0,
             "conf_ece": 0.0,
@@ -77,6 +82,33 @@ def test_selection_rule_respects_the_accuracy_constraint(tmp_path):
     # With a looser rule the low-accuracy run wins.
     loose = {c.method: c for c in select(runs, min_accuracy_ratio=0.5)}
     assert loose["calm"].params == {"method.module.lower_lr": 1e-1}
+
+
+def test_open_qa_runs_are_selected_and_tabled_on_sem_ece(tmp_path):
+    _fake_run(tmp_path, "base", "base", {"accuracy": 0.50, "sem_ece": 0.30}, openqa=True)
+    # Lowest Sem-ECE but accuracy 0.30 <= 0.8 * 0.5: not eligible.
+    _fake_run(
+        tmp_path, "a", "calm", {"accuracy": 0.30, "sem_ece": 0.02}, lower_lr=1e-1, openqa=True
+    )
+    _fake_run(
+        tmp_path, "b", "calm", {"accuracy": 0.45, "sem_ece": 0.10}, lower_lr=1e-2, openqa=True
+    )
+    _fake_run(
+        tmp_path, "c", "calm", {"accuracy": 0.48, "sem_ece": 0.20}, lower_lr=1e-3, openqa=True
+    )
+    assert report_main([str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
+    choices = {c.method: c for c in select(collect_runs([tmp_path]))}
+    assert choices["calm"].params == {"method.module.lower_lr": 1e-2}
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert "| method | Sem-ECE | Acc. | seeds |" in report  # no MCQA-only columns
+    assert "| sem_ece | 0.1000 | 45.00% |" in report
+    with (tmp_path / "rep" / "selected.csv").open() as handle:
+        rows = {r["method"]: r for r in csv.DictReader(handle)}
+    assert float(rows["calm"]["sem_ece"]) == pytest.approx(0.10) and rows["calm"]["conf_ece"] == ""
+    with (tmp_path / "rep" / "results.csv").open() as handle:
+        reader = csv.reader(handle)
+        header = next(reader)
+        assert all(len(row) == len(header) for row in reader)
 
 
 def test_seeds_are_averaged_and_tables_equal_the_inputs(tmp_path, capsys):

@@ -18,6 +18,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 COLUMNS = (
+    ("sem_ece", "Sem-ECE", min),
     ("conf_ece", "conf-ECE", min),
     ("cw_ece", "cw-ECE", min),
     ("mce", "MCE", min),
@@ -25,7 +26,15 @@ COLUMNS = (
     ("brier", "Brier", min),
     ("accuracy", "Acc.", max),
 )
-RESULT_METRICS = ("accuracy", "conf_ece", "cw_ece", "mce", "ace", "brier", "nll")
+RESULT_METRICS = ("accuracy", "sem_ece", "conf_ece", "cw_ece", "mce", "ace", "brier", "nll")
+
+
+def calibration_key(metrics: dict) -> str:
+    """The metric the selection rule minimises: Sem-ECE for open-ended QA, else conf-ECE."""
+    return "sem_ece" if "sem_ece" in metrics else "conf_ece"
+
+
+SELECTED_METRICS = ("accuracy", "sem_ece", "conf_ece", "cw_ece", "mce", "ace", "brier")
 IGNORED_KEYS = ("paths.", "hydra.", "trainer.default_root_dir", "logger.", "callbacks.", "seed")
 
 
@@ -138,9 +147,10 @@ def base_accuracy(runs: list[Run], model: str, setting: str) -> float | None:
 
 
 def select(
-    runs: list[Run], min_accuracy_ratio: float = 0.8, metric: str = "conf_ece"
+    runs: list[Run], min_accuracy_ratio: float = 0.8, metric: str | None = None
 ) -> list[Choice]:
-    """One choice per (model, setting, method) by the paper's rule."""
+    """One choice per (model, setting, method) by the paper's rule (`metric` None: Sem-ECE
+    for open-ended QA runs, conf-ECE otherwise)."""
     finished = [r for r in runs if r.metrics]
     groups = defaultdict(lambda: defaultdict(list))
     for run in finished:
@@ -171,7 +181,8 @@ def select(
                 )
             )
         pool = [o for o in options if o.feasible] or options
-        best = min(pool, key=lambda o: o.mean[metric])
+        key = metric or calibration_key(pool[0].mean)
+        best = min(pool, key=lambda o: o.mean[key])
         choices.append(best)
     return choices
 
@@ -194,23 +205,25 @@ def markdown_tables(choices: list[Choice]) -> str:
         by_table[(choice.model, choice.setting)].append(choice)
     parts = []
     for (model, setting), rows in sorted(by_table.items()):
+        # Only the metrics some row reports (MCQA and open-ended QA report different ones).
+        columns = [c for c in COLUMNS if any(c[0] in row.mean for row in rows)]
         best = {
             key: pick(
                 rows, key=lambda c, k=key, p=pick: c.mean.get(k, np.inf if p is min else -np.inf)
             )
-            for key, _, pick in COLUMNS
+            for key, _, pick in columns
         }
         parts.append(f"### {model} / {setting}\n")
-        parts.append("| method | " + " | ".join(label for _, label, _ in COLUMNS) + " | seeds |")
-        parts.append("|---|" + "---|" * (len(COLUMNS) + 1))
+        parts.append("| method | " + " | ".join(label for _, label, _ in columns) + " | seeds |")
+        parts.append("|---|" + "---|" * (len(columns) + 1))
         for row in sorted(rows, key=lambda c: _method_order(c.method)):
-            cells = [_cell(row, key, row is best[key]) for key, _, _ in COLUMNS]
+            cells = [_cell(row, key, row is best[key]) for key, _, _ in columns]
             parts.append(f"| {row.method} | " + " | ".join(cells) + f" | {row.n_seeds} |")
         parts.append("")
     if any(not c.feasible for c in choices):
         parts.append(
             "† no setting of this method kept accuracy above the threshold; the lowest "
-            "conf-ECE among all its runs is shown.\n"
+            "conf-ECE (Sem-ECE for open-ended QA) among all its runs is shown.\n"
         )
     return "\n".join(parts)
 
@@ -244,21 +257,23 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
     lines = [
         "# Results",
         "",
-        f"Selection: lowest conf-ECE among runs with accuracy > {min_accuracy_ratio:.0%} of "
+        f"Selection: lowest conf-ECE (Sem-ECE for open-ended QA) among runs with accuracy > "
+        f"{min_accuracy_ratio:.0%} of "
         f"the base model's; {sum(1 for r in runs if r.metrics)} finished runs, "
         f"{len(failed)} failed or unfinished.",
         "",
         markdown_tables(choices),
         "## Selected hyper-parameters",
         "",
-        "| model | setting | method | hyper-parameters | conf-ECE | Acc. |",
-        "|---|---|---|---|---|---|",
+        "| model | setting | method | hyper-parameters | selected on | value | Acc. |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in choices:
         params = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in c.params.items()) or "-"
+        key = calibration_key(c.mean)
         lines.append(
-            f"| {c.model} | {c.setting} | {c.method} | {params} | "
-            f"{c.mean['conf_ece']:.4f} | {100 * c.mean['accuracy']:.2f}% |"
+            f"| {c.model} | {c.setting} | {c.method} | {params} | {key} | "
+            f"{c.mean[key]:.4f} | {100 * c.mean['accuracy']:.2f}% |"
         )
     if failed:
         lines += ["", "## Failed or unfinished runs", ""]
@@ -275,8 +290,6 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                 "params",
                 "path",
                 "status",
-                "accuracy",
-                "conf_ece",
                 *RESULT_METRICS,
             ]
         )
@@ -304,18 +317,7 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                 "params",
                 "n_seeds",
                 "feasible",
-                "accuracy",
-                "accuracy_std",
-                "conf_ece",
-                "conf_ece_std",
-                "cw_ece",
-                "cw_ece_std",
-                "mce",
-                "mce_std",
-                "ace",
-                "ace_std",
-                "brier",
-                "brier_std",
+                *[f"{k}{suffix}" for k in SELECTED_METRICS for suffix in ("", "_std")],
             ]
         )
         for c in choices:
@@ -327,15 +329,9 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                     json.dumps(c.params, default=str),
                     c.n_seeds,
                     c.feasible,
-                    c.mean["accuracy"],
-                    c.std["accuracy"],
-                    c.mean["conf_ece"],
-                    c.std["conf_ece"],
-                    c.mean["cw_ece"],
-                    c.std["cw_ece"],
                     *[
                         value
-                        for k in ("mce", "ace", "brier")
+                        for k in SELECTED_METRICS
                         for value in (c.mean.get(k, ""), c.std.get(k, ""))
                     ],
                 ]
