@@ -197,7 +197,7 @@ def test_gen_ood_baselines_run(tmp_path, method):
 @pytest.mark.slow
 def test_embedded_model_answers_demo_questions(tmp_path):
     """The real embedded model on a few offline open questions: real answers are sampled,
-    clustered with MiniLM and graded, and the capital questions get some right answers."""
+    clustered with MiniLM and graded, and some sampled answers are right."""
     cfg = compose_run(
         [
             "method=base",
@@ -213,4 +213,4 @@ def test_embedded_model_answers_demo_questions(tmp_path):
     rows = _check_question_file(tmp_path, 8)
     answers = [s for r in rows for s in r["samples"]]
     assert sum(bool(s) for s in answers) > len(answers) // 2  # mostly non-empty text
-    assert any(r["n_clusters"] < 8 for r in rows)  # some samples agree
+    assert any(grade(s, r["aliases"]) for r in rows for s in r["samples"])
