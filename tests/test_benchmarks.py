@@ -10,45 +10,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_calm_step_benchmark_runs_on_the_tiny_model():
-    args = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "calm_step.py"),
-        "--model",
-        "tiny",
-        "--inner-steps",
-        "2",
-        "--steps",
-        "1",
-        "--repeats",
-        "1",
-        "--seq",
-        "32",
-        "--batch",
-        "2",
-    ]
+def _run(script: str, *args: str) -> str:
     done = subprocess.run(
-        args, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1")
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "time ratio" in done.stdout and "memory ratio" in done.stdout
+    return done.stdout
+
+
+def test_calm_step_benchmark_runs_on_the_tiny_model():
+    out = _run(
+        "calm_step.py",
+        *("--model", "tiny", "--inner-steps", "2", "--steps", "1"),
+        *("--repeats", "1", "--seq", "32", "--batch", "2"),
+    )
+    assert "time ratio" in out and "memory ratio" in out
 
 
 def test_sampling_benchmark_runs_on_the_tiny_model():
-    args = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "sampling.py"),
-        "--model",
-        "tiny",
-        "--questions",
-        "2",
-        "--samples",
-        "3",
-        "--max-new-tokens",
-        "4",
-    ]
-    done = subprocess.run(
-        args, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1")
+    out = _run(
+        "sampling.py",
+        *("--model", "tiny", "--questions", "2", "--samples", "3", "--max-new-tokens", "4"),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "speed-up vs 3 generate calls" in done.stdout
+    assert "speed-up vs 3 generate calls" in out
