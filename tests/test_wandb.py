@@ -87,3 +87,21 @@ def test_offline_wandb_run_holds_metrics_config_image_and_table(tmp_path, monkey
     assert list(media.glob("images/reliability_*.png"))
     (table,) = list(media.glob("table/predictions_*.table.json"))
     assert len(json.loads(table.read_text())["data"]) == 8
+
+
+def test_open_qa_run_publishes_sem_ece_and_the_question_table(tmp_path, monkeypatch):
+    from tests.test_openqa import gen_ood
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = compose_run(gen_ood("method=base", "clusterer=exact", "logger=wandb"), tmp_path)
+    metrics = run_experiment(cfg)
+    (run_file,) = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    summary = _values(read_wandb_records(run_file), "summary")
+    assert summary["base/sem_ece"] == pytest.approx(metrics["sem_ece"])
+    (table,) = list((run_file.parent / "files" / "media").glob("table/predictions_*.table.json"))
+    content = json.loads(table.read_text())
+    assert {"samples", "clusters", "answer", "confidence", "correct"} <= set(content["columns"])
+    rows = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    samples = content["columns"].index("samples")
+    assert [json.loads(r[samples]) for r in content["data"]] == [r["samples"] for r in rows]
