@@ -139,29 +139,27 @@ class ExactMatchClusterer:
 
 
 # Spelled-out numbers below twenty, in order (also read by the elicitation parser).
-UNIT_WORDS = tuple(
-    [
-        "zero",
-        "one",
-        "two",
-        "three",
-        "four",
-        "five",
-        "six",
-        "seven",
-        "eight",
-        "nine",
-        "ten",
-        "eleven",
-        "twelve",
-        "thirteen",
-        "fourteen",
-        "fifteen",
-        "sixteen",
-        "seventeen",
-        "eighteen",
-        "nineteen",
-    ]  # noqa: SIM905
+UNIT_WORDS = (
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
 )
 NUMBER_WORDS = {word: str(value) for value, word in enumerate((*UNIT_WORDS, "twenty"))}
 DIGITS = re.compile(r"\d+(?:[.,]\d+)*")

@@ -11,7 +11,7 @@ from collections import Counter
 
 from calm_lightning.data.files import read_rows
 from calm_lightning.data.hub import hub_rows
-from calm_lightning.data.records import OpenQARecord
+from calm_lightning.data.records import OpenQARecord, required_text
 from calm_lightning.errors import ConfigError, DataFormatError
 
 log = logging.getLogger(__name__)
@@ -19,12 +19,7 @@ SPLITS = ("train", "heldout", "eval")
 
 
 def _question(row: dict, where: str) -> str:
-    if "question" not in row:
-        raise DataFormatError(f"{where}: missing field 'question' (got {sorted(row)})")
-    question = row["question"]
-    if not isinstance(question, str) or not question.strip():
-        raise DataFormatError(f"{where}: field 'question' is empty or not text")
-    return question.strip()
+    return required_text(row, "question", where).strip()
 
 
 def normalise_popqa(row: dict, where: str) -> tuple[str, list[str], str]:

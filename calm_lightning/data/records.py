@@ -52,15 +52,23 @@ def _where(path: str, line: int) -> str:
     return f"{path}, line {line}"
 
 
+def required_text(row: dict, field: str, where: str) -> str:
+    """`row[field]` as given, after checking that it is there and is non-empty text."""
+    if field not in row:
+        raise DataFormatError(f"{where}: missing field '{field}' (got {sorted(row)})")
+    value = row[field]
+    if not isinstance(value, str) or not value.strip():
+        raise DataFormatError(f"{where}: field '{field}' is empty or not text")
+    return value
+
+
 def mcqa_from_row(row: dict, path: str, line: int, n_options: int = N_OPTIONS) -> MCQARecord:
     """Validate a row in the project's MCQA schema; errors name the file, line and field."""
     where = _where(path, line)
     for field in ("question", "choices", "answer"):
         if field not in row:
             raise DataFormatError(f"{where}: missing field '{field}' (got {sorted(row)})")
-    question = row["question"]
-    if not isinstance(question, str) or not question.strip():
-        raise DataFormatError(f"{where}: field 'question' is empty or not text")
+    question = required_text(row, "question", where)
     choices = row["choices"]
     if not isinstance(choices, list | tuple) or not all(isinstance(c, str) for c in choices):
         raise DataFormatError(f"{where}: field 'choices' must be a list of strings")
@@ -91,11 +99,7 @@ def instruction_from_row(row: dict, path: str, line: int) -> InstructionRecord:
     """Validate a row in Alpaca's schema (`instruction`, `input`, `output`)."""
     where = _where(path, line)
     for field in ("instruction", "output"):
-        value = row.get(field)
-        if field not in row:
-            raise DataFormatError(f"{where}: missing field '{field}' (got {sorted(row)})")
-        if not isinstance(value, str) or not value.strip():
-            raise DataFormatError(f"{where}: field '{field}' is empty or not text")
+        required_text(row, field, where)
     extra = row.get("input") or ""
     if not isinstance(extra, str):
         raise DataFormatError(f"{where}: field 'input' must be text")
@@ -114,9 +118,7 @@ def openqa_from_row(row: dict, path: str, line: int) -> OpenQARecord:
     for field in ("question", "answers"):
         if field not in row:
             raise DataFormatError(f"{where}: missing field '{field}' (got {sorted(row)})")
-    question = row["question"]
-    if not isinstance(question, str) or not question.strip():
-        raise DataFormatError(f"{where}: field 'question' is empty or not text")
+    question = required_text(row, "question", where)
     answers = row["answers"]
     if isinstance(answers, str):
         try:

@@ -25,6 +25,7 @@ from calm_lightning.calibration.semantic import (
 )
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.reliability import plot_confidence_reliability
+from calm_lightning.evaluation.results import result_paths
 from calm_lightning.evaluation.sampling import sample_answers
 
 CONFIDENCES = ("modal", "split_half")
@@ -67,13 +68,13 @@ def score_openqa_batch(
         batch_size=len(batch["prompts"]),
         generator=generator,
     )
+    choose = split_half_answer if settings.confidence == "split_half" else modal_answer
     rows = []
     for qid, question, aliases, raw in zip(
         batch["ids"], batch["questions"], batch["answers"], texts, strict=True
     ):
         samples = [extract_answer(t) for t in raw]
         clusters = settings.clusterer(samples, question)
-        choose = split_half_answer if settings.confidence == "split_half" else modal_answer
         prediction = choose(samples, ids=clusters)
         correct = grade(prediction.answer, aliases, settings.f1_threshold, settings.containment)
         rows.append(
@@ -99,10 +100,6 @@ class OpenQAPredictions:
 
     rows: list[dict]
     settings: OpenQASettings
-
-    @property
-    def ids(self) -> list[str]:
-        return [r["id"] for r in self.rows]
 
     @property
     def confidences(self) -> np.ndarray:
@@ -146,13 +143,7 @@ def write_openqa_results(
 ) -> dict[str, Path]:
     """metrics.json, one predictions.jsonl row per question (samples, clusters, confidence,
     correctness) and the reliability diagram, under `directory`."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "metrics": directory / "metrics.json",
-        "predictions": directory / "predictions.jsonl",
-        "reliability": directory / "reliability.png",
-    }
+    paths = result_paths(directory)
     payload = {"metrics": metrics, **meta, "task": "openqa", "sampling": predictions.describe()}
     paths["metrics"].write_text(json.dumps(payload, indent=2))
     with paths["predictions"].open("w", encoding="utf-8") as handle:

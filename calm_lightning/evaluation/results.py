@@ -22,17 +22,22 @@ TABLE_COLUMNS = (
 )
 
 
-def write_mcqa_results(
-    directory: str | Path, predictions, metrics: dict, meta: dict, title: str = ""
-) -> dict[str, Path]:
-    """Write metrics, per-example predictions and the reliability diagram under `directory`."""
+def result_paths(directory: str | Path) -> dict[str, Path]:
+    """The result files every run writes under `directory` (created if needed)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    paths = {
+    return {
         "metrics": directory / "metrics.json",
         "predictions": directory / "predictions.jsonl",
         "reliability": directory / "reliability.png",
     }
+
+
+def write_mcqa_results(
+    directory: str | Path, predictions, metrics: dict, meta: dict, title: str = ""
+) -> dict[str, Path]:
+    """Write metrics, per-example predictions and the reliability diagram under `directory`."""
+    paths = result_paths(directory)
     payload = {
         "metrics": metrics,
         **meta,

@@ -68,22 +68,21 @@ class CalibrationMethod(L.LightningModule):
         self._open_ended = False
 
     # ----- evaluation (shared) -----
-    def _probe_batch(self) -> dict | None:
+    def _test_loader(self):
         loader = self.trainer.test_dataloaders
-        loader = loader[0] if isinstance(loader, list | tuple) else loader
+        return loader[0] if isinstance(loader, list | tuple) else loader
+
+    def _probe_batch(self) -> dict | None:
+        loader = self._test_loader()
         records = [loader.dataset[i] for i in range(min(self.probe_size, len(loader.dataset)))]
         if not records:
             return None
         return move_data_to_device(loader.collate_fn(records), self.device)
 
-    def _test_dataset(self):
-        loader = self.trainer.test_dataloaders
-        return (loader[0] if isinstance(loader, list | tuple) else loader).dataset
-
     def on_test_start(self) -> None:
         self.model.eval()
         self._test_rows = []
-        dataset = self._test_dataset()
+        dataset = self._test_loader().dataset
         self._open_ended = len(dataset) > 0 and isinstance(dataset[0], OpenQARecord)
         if self._open_ended:
             # Every evaluation draws the same random stream (common random numbers for the
