@@ -1,30 +1,32 @@
-"""The plain `run_experiment(cfg)` behind `python -m calm_lightning.run` (tests call it too):
-compose -> seed -> build model, data, method -> fit (if the method trains) -> evaluate -> write."""
+"""The plain `run_experiment(cfg)` behind `python -m calm_lightning.run` (tests call it too).
+
+It only orchestrates: compose (the resolved config and what a method_setting file changed) ->
+seed -> build (data read and validated first, then the model and the method) -> calibrate (the
+method's own protocol, methods/base.py) -> evaluate -> write. What a method is, needs and does
+lives in its class; W&B lives in loggers.py.
+"""
 
 from __future__ import annotations
 
 import gc
 import json
-import logging
-import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.openqa import OpenQAPredictions, write_openqa_results
 from calm_lightning.evaluation.results import format_table, write_mcqa_results
-from calm_lightning.methods.reference import check_reference_model
-from calm_lightning.models.calibrated_lm import CalibratedLM
+from calm_lightning.loggers import build_loggers, finish_loggers, publish_to_wandb
+from calm_lightning.method_settings import applied_method_setting, log_method_setting
+from calm_lightning.methods.base import CalibrationMethod
 from calm_lightning.models.loading import LoadedModel, load_language_model
-from calm_lightning.models.logit_adjustment import LogitAdjustment
-from calm_lightning.models.lora import wrap_with_lora
-
-log = logging.getLogger(__name__)
+from calm_lightning.timing import Stopwatch
 
 # Manual-optimization methods (CALM) checkpoint the state after their update on purpose: a
 # checkpoint at outer step k holds the parameters and counter after step k, which is what a
@@ -32,56 +34,34 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
 
-def build_calibrated_lm(cfg: DictConfig, loaded: LoadedModel) -> CalibratedLM:
-    """Wrap the loaded LM with LoRA (per `peft`) and a head (per `method.head`)."""
-    lm = loaded.model
-    peft_cfg = OmegaConf.to_container(cfg.peft, resolve=True)
-    method = peft_cfg.pop("method", "none")
-    if not cfg.method.get("uses_adapter", True):
-        method = "none"
-    if method == "lora":
-        lm = wrap_with_lora(lm, peft_cfg, quantized=loaded.quantized)
-    elif method != "none":
-        raise ValueError(f"peft.method={method!r} is not one of lora, none")
-    head = None
-    if cfg.method.get("head"):
-        vocab = lm.get_output_embeddings().weight.shape[0]
-        head = LogitAdjustment(vocab, **OmegaConf.to_container(cfg.method.head, resolve=True))
-    return CalibratedLM(lm, head)
+@dataclass
+class RunResult:
+    """What a run measured: the method's test metrics and every evaluated row (the untouched
+    model's `base` row first, when the method changes the model)."""
+
+    metrics: dict
+    comparison: dict[str, dict]
+    output_dir: Path
 
 
-def build_sources(cfg: DictConfig) -> dict:
-    """The setting's train / held-out / test sources (cheap: nothing is read yet)."""
-    return {
-        split: instantiate(cfg.setting[split]) if cfg.setting.get(split) is not None else None
-        for split in ("train", "heldout", "test")
-    }
+def method_class(cfg: DictConfig) -> type[CalibrationMethod]:
+    """The class `method.module._target_` names (its requirements are class attributes)."""
+    cls = get_class(cfg.method.module._target_)
+    if not (isinstance(cls, type) and issubclass(cls, CalibrationMethod)):
+        raise ConfigError(f"method.module._target_={cls!r} is not a CalibrationMethod")
+    return cls
 
 
-def check_method_fits_setting(cfg: DictConfig, sources: dict) -> None:
-    """Refuse a method / setting pair that cannot work, before any model is loaded."""
-    requires = cfg.method.get("requires") or {}
-    reason = requires.get("reason", "")
-    kinds = requires.get("train_kind")
-    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
-    if kinds and getattr(sources.get("train"), "kind", None) not in kinds:
-        raise ConfigError(
-            f"method={cfg.method.name} cannot run in setting={cfg.setting.name}: {reason}"
-        )
-    check_reference_model(cfg)
-    if requires.get("heldout") and sources.get("heldout") is None:
-        raise ConfigError(
-            f"method={cfg.method.name} needs held-out data, which setting={cfg.setting.name} "
-            "does not define"
-        )
-
-
-def build_datamodule(cfg: DictConfig, tokenizer, sources: dict | None = None):
-    """The setting's data module (sources are instantiated from `setting.train/heldout/test`)."""
+def build_datamodule(cfg: DictConfig, tokenizer=None):
+    """The setting's data module (sources instantiated from `setting.train/heldout/test`;
+    nothing is read until `load_records` or a loader asks)."""
     from calm_lightning.data.datamodule import CalibrationDataModule
 
     setting = cfg.setting
-    sources = build_sources(cfg) if sources is None else sources
+    sources = {
+        split: instantiate(setting[split]) if setting.get(split) is not None else None
+        for split in ("train", "heldout", "test")
+    }
     return CalibrationDataModule(
         tokenizer=tokenizer,
         batch_size=setting.batch_size,
@@ -95,12 +75,19 @@ def build_datamodule(cfg: DictConfig, tokenizer, sources: dict | None = None):
     )
 
 
-def build_method(cfg: DictConfig, model: CalibratedLM, tokenizer):
-    """The method's LightningModule, with the shared evaluation options."""
+def build_method(cfg: DictConfig, loaded: LoadedModel) -> CalibrationMethod:
+    """The method's LightningModule on the loaded LM, with the shared evaluation options."""
+    cls = method_class(cfg)
+    head = cfg.method.get("head")
+    model = cls.build_model(
+        loaded,
+        OmegaConf.to_container(cfg.peft, resolve=True),
+        OmegaConf.to_container(head, resolve=True) if head else None,
+    )
     return instantiate(
         cfg.method.module,
         model=model,
-        tokenizer=tokenizer,
+        tokenizer=loaded.tokenizer,
         option_tokens=cfg.evaluation.option_tokens,
         probe_size=cfg.evaluation.probe_size,
         n_bins=cfg.evaluation.n_bins,
@@ -109,7 +96,7 @@ def build_method(cfg: DictConfig, model: CalibratedLM, tokenizer):
     )
 
 
-def resolve_checkpoint(cfg: DictConfig) -> str | None:
+def checkpoint_path(cfg: DictConfig) -> str | None:
     """`ckpt_path` may name a checkpoint file or a run directory (its checkpoints/last.ckpt)."""
     value = cfg.get("ckpt_path")
     if not value:
@@ -120,85 +107,6 @@ def resolve_checkpoint(cfg: DictConfig) -> str | None:
     if not path.is_file():
         raise ConfigError(f"ckpt_path={value}: no checkpoint at {path}")
     return str(path)
-
-
-WANDB_ID_FILE = "wandb_id.txt"
-
-
-def _wandb_overrides(cfg: DictConfig, node: DictConfig) -> dict:
-    """Run id kept in the output dir (a resumed run continues the same W&B run) and, in a
-    multirun, a group named after the sweep."""
-    out = Path(cfg.paths.output_dir)
-    extra: dict = {}
-    if not node.get("id"):
-        previous = resolve_checkpoint(cfg)
-        candidates = [out / WANDB_ID_FILE]
-        if previous:
-            candidates.insert(0, Path(previous).parent.parent / WANDB_ID_FILE)
-        found = next((c for c in candidates if c.is_file()), None)
-        if found:
-            run_id = found.read_text().strip()
-        else:
-            import secrets
-
-            # W&B run ids are short lowercase alphanumerics; any unique such string works.
-            run_id = secrets.token_hex(4)
-        (out / WANDB_ID_FILE).write_text(run_id)
-        extra["id"] = run_id
-    if not node.get("group"):
-        from calm_lightning.config import in_multirun
-
-        if in_multirun():
-            from hydra.core.hydra_config import HydraConfig
-
-            extra["group"] = Path(HydraConfig.get().sweep.dir).name
-        else:
-            extra["group"] = cfg.setting.name
-    return extra
-
-
-def build_loggers(cfg: DictConfig) -> list:
-    loggers = []
-    for node in (cfg.get("logger") or {}).values():
-        if not node:
-            continue
-        is_wandb = str(node.get("_target_", "")).endswith("WandbLogger")
-        loggers.append(instantiate(node, **(_wandb_overrides(cfg, node) if is_wandb else {})))
-    return loggers
-
-
-def publish_to_wandb(loggers: list, cfg: DictConfig, out: Path, rows: dict) -> None:
-    """Final metrics into the run summary, the resolved config (flattened), the reliability
-    diagram as an image and the per-example predictions as a table."""
-    for logger in loggers:
-        if type(logger).__name__ != "WandbLogger":
-            continue
-        import pandas as pd
-        import wandb
-
-        flat = pd.json_normalize(OmegaConf.to_container(cfg, resolve=True), sep=".")
-        logger.log_hyperparams(flat.iloc[0].to_dict())
-        run = logger.experiment
-        for method, metrics in rows.items():
-            run.summary.update({f"{method}/{k}": v for k, v in metrics.items()})
-        run.log({"reliability": wandb.Image(str(out / "reliability.png"))})
-        rows_json = [
-            json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()
-        ]
-        columns = list(rows_json[0]) if rows_json else []
-        # Lists (option probabilities, samples, clusters) go in as JSON text cells.
-        table = wandb.Table(
-            columns=columns,
-            data=[
-                [json.dumps(v) if isinstance(v, list | dict) else v for v in r.values()]
-                for r in rows_json
-            ],
-        )
-        run.log({"predictions": table})
-
-
-def build_callbacks(cfg: DictConfig) -> list:
-    return [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node]
 
 
 def evaluate(trainer, module, datamodule, out: Path, cfg: DictConfig, method_name: str) -> dict:
@@ -220,81 +128,72 @@ def evaluate(trainer, module, datamodule, out: Path, cfg: DictConfig, method_nam
     return metrics
 
 
-def run_experiment(cfg: DictConfig) -> dict:
-    """Run one (model, method, setting) and return its test metrics."""
+def run_experiment(cfg: DictConfig) -> RunResult:
+    """Run one (model, method, setting): compose, seed, build, calibrate, evaluate, write."""
+    # compose: the resolved config and whatever a method_setting file changed, said up front
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)
+    method_setting = applied_method_setting(cfg)
+    log_method_setting(method_setting)
+    # seed
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    timings: dict[str, float] = {}
+    # build: every data source is read and validated before any model is loaded
+    cls = method_class(cfg)
+    datamodule = build_datamodule(cfg)
+    cls.check_requirements(cfg, datamodule.sources)
+    ckpt_path = checkpoint_path(cfg)
+    datamodule.load_records()
+    stopwatch = Stopwatch()
     loggers: list = []
     module = None
-    sources = build_sources(cfg)
-    check_method_fits_setting(cfg, sources)
     try:
-        start = time.perf_counter()
-        loaded = load_language_model(cfg.model)
-        timings["load_model_s"] = time.perf_counter() - start
-        model = build_calibrated_lm(cfg, loaded)
-        datamodule = build_datamodule(cfg, loaded.tokenizer, sources)
-        module = build_method(cfg, model, loaded.tokenizer)
-        loggers = build_loggers(cfg)
-        callbacks = build_callbacks(cfg) if module.trains else []
+        with stopwatch.phase("load_model"):
+            loaded = load_language_model(cfg.model)
+        datamodule.tokenizer = loaded.tokenizer
+        module = build_method(cfg, loaded)
+        loggers = build_loggers(cfg, resume_from=ckpt_path)
+        callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node]
         trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
         rows: dict[str, dict] = {}
-        extras: dict = {}
-        posthoc = getattr(module, "posthoc", False)
-        if (module.trains or posthoc) and cfg.evaluation.get("compare_with_base", True):
-            # Before fit the adapters are zero and the head is the identity: this is exactly
-            # the untouched model, scored on the same data by the same code.
-            start = time.perf_counter()
-            rows["base"] = evaluate(trainer, module, datamodule, out / "base", cfg, "base")
-            timings["evaluate_base_s"] = time.perf_counter() - start
-        if module.trains:
-            start = time.perf_counter()
-            trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_checkpoint(cfg))
-            timings["fit_s"] = time.perf_counter() - start
+        if module.changes_model and cfg.evaluation.get("compare_with_base", True):
+            # Before calibration the adapters are zero and the head is the identity: this is
+            # exactly the untouched model, scored on the same data by the same code.
+            with stopwatch.phase("evaluate_base"):
+                rows["base"] = evaluate(trainer, module, datamodule, out / "base", cfg, "base")
+        # calibrate
+        with stopwatch.phase("calibrate"):
+            fitted = module.calibrate(trainer, datamodule, ckpt_path)
+        if module.changes_model:
             module.save_calibration(out / "calibration")
-        if posthoc:
-            start = time.perf_counter()
-            trainer.predict(
-                module, dataloaders=module.posthoc_loader(datamodule), return_predictions=False
-            )
-            extras["posthoc"] = module.fit_posthoc()
-            timings["fit_posthoc_s"] = time.perf_counter() - start
-            module.save_calibration(out / "calibration")
-        start = time.perf_counter()
-        metrics = evaluate(trainer, module, datamodule, out, cfg, cfg.method.name)
-        timings["evaluate_s"] = time.perf_counter() - start
+        # evaluate
+        with stopwatch.phase("evaluate"):
+            metrics = evaluate(trainer, module, datamodule, out, cfg, cfg.method.name)
         rows[cfg.method.name] = metrics
-        _annotate_metrics(out, rows, timings, extras)
+        # write
+        record = {"comparison": rows, "timings": stopwatch.seconds, **fitted}
+        record["method_setting"] = method_setting
+        _add_to_metrics_file(out, record)
         publish_to_wandb(loggers, cfg, out, rows)
         datamodule.write_summary(out)
-        title = f"{cfg.model.name} / {cfg.setting.name}"
-        print(f"\n{title}  (n = {metrics['n']} test questions, outputs in {out})")
+        print(
+            f"\n{cfg.model.name} / {cfg.setting.name}  (n = {metrics['n']} test questions, "
+            f"outputs in {out})"
+        )
         print(format_table(rows))
-        return metrics
+        return RunResult(metrics=metrics, comparison=rows, output_dir=out)
     finally:
-        _finish(loggers)
+        finish_loggers(loggers)
         del module
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def _annotate_metrics(out: Path, rows: dict, timings: dict, extras: dict) -> None:
-    """Add the comparison rows, wall times and method extras (e.g. T) to metrics.json."""
+def _add_to_metrics_file(out: Path, record: dict) -> None:
+    """Add the comparison rows, wall times, what calibration fitted (e.g. T) and the applied
+    method_setting to the metrics.json the evaluation wrote."""
     path = out / "metrics.json"
     payload = json.loads(path.read_text())
-    payload["comparison"] = rows
-    payload["timings"] = timings
-    payload.update(extras)
+    payload.update(record)
     path.write_text(json.dumps(payload, indent=2))
-
-
-def _finish(loggers: list) -> None:
-    """Close loggers so the next job of a multirun starts clean (W&B needs an explicit finish)."""
-    for logger in loggers:
-        experiment = getattr(logger, "_experiment", None)
-        if experiment is not None and hasattr(experiment, "finish"):
-            experiment.finish()

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hydra import compose, initialize_config_module  # noqa: E402
 
-import calm_lightning.config  # noqa: E402, F401  (registers resolvers)
+import calm_lightning.resolvers  # noqa: E402, F401  (registers resolvers)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from calm_lightning.calibration.temperature import fit_temperature
+from calm_lightning.calibrators.temperature import fit_temperature
 from calm_lightning.data.collate import IGNORE_INDEX
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.iterate import Iterate
@@ -206,7 +206,7 @@ DEMO = [
 )
 def test_methods_run_end_to_end_on_demo(tmp_path, method, extra):
     cfg = compose_run([*TINY, *DEMO, f"method={method}", *extra], tmp_path)
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["method"] == method and set(saved["comparison"]) == {"base", method}
     assert metrics["n"] == 16 and all(np.isfinite(v) for v in metrics.values())
@@ -231,7 +231,7 @@ def test_methods_run_in_the_id_setting(tmp_path, method):
         ],
         tmp_path,
     )
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     assert metrics["n"] == 4
     saved = json.loads((tmp_path / "metrics.json").read_text())
     if method == "ts":
@@ -263,7 +263,7 @@ def test_baseline_on_the_embedded_model(tmp_path, method):
         ],
         tmp_path,
     )
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     saved = json.loads((tmp_path / "metrics.json").read_text())
     base = saved["comparison"]["base"]
     assert all(np.isfinite(v) for v in metrics.values()) and metrics["n"] == 64

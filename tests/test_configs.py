@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import compose_run
 
-CONF = Path(str(resources.files("calm_lightning") / "conf"))
+CONF = Path(str(resources.files("calm_lightning.conf")))
 
 
 def options(group: str) -> list[str]:
@@ -91,7 +91,7 @@ def test_setting_sources_instantiate(setting, tmp_path, monkeypatch):
 
 
 def test_every_config_field_is_commented():
-    """STYLE.md: every config field gets a short comment in its YAML."""
+    """Every config field gets a short comment in its YAML (docs/architecture.md, habits)."""
     missing = []
     for path in CONF.rglob("*.yaml"):
         for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -158,12 +158,10 @@ def test_cluster_launcher_and_optuna_sweeper_compose(tmp_path):
 
 
 def test_sweep_objective_penalises_lost_accuracy(tmp_path):
-    import json
-
     from calm_lightning.run import sweep_objective
 
     cfg = compose_run([], tmp_path)
-    payload = {"comparison": {"base": {"accuracy": 0.5}}}
-    (tmp_path / "metrics.json").write_text(json.dumps(payload))
-    assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.45}) == pytest.approx(0.1)
-    assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.39}) == pytest.approx(1.1)
+    base = {"base": {"accuracy": 0.5}}
+    assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.45}, base) == pytest.approx(0.1)
+    assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.39}, base) == pytest.approx(1.1)
+    assert sweep_objective(cfg, {"sem_ece": 0.2, "accuracy": 0.1}, {}) == pytest.approx(0.2)

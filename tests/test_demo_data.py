@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from calm_lightning.data.build_demo import split_items, write_demo_data
+from tools.demo_data.build import split_items, write_demo_data
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "calm_lightning" / "data" / "demo"
 SPLITS = ("train", "heldout", "test")
@@ -107,7 +107,9 @@ def test_committed_files_match_a_fresh_generation(tmp_path):
     assert sorted(counts) == sorted(MCQA_FILES + INSTRUCTION_FILES + OPENQA_FILES)
     for name, n_rows in counts.items():
         committed = (DEMO_DIR / name).read_bytes()
-        assert committed == (tmp_path / name).read_bytes(), f"{name} is stale: rerun build_demo"
+        assert committed == (tmp_path / name).read_bytes(), (
+            f"{name} is stale: rerun python -m tools.demo_data.build"
+        )
         assert committed.endswith(b"\n") and committed.count(b"\n") == n_rows
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from calm_lightning.calibration.metrics import (
+from calm_lightning.metrics.calibration import (
     accuracy,
     adaptive_calibration_error,
     bin_indices,
@@ -322,7 +322,7 @@ def test_float32_softmax_rows_are_accepted():
 def test_plot_writes_png(tmp_path):
     import matplotlib.image
 
-    from calm_lightning.evaluation.reliability import plot_reliability_diagram
+    from calm_lightning.metrics.reliability import plot_reliability_diagram
 
     probs, labels = _random_case(7, 4, n=400)
     out = plot_reliability_diagram(
@@ -340,7 +340,7 @@ def test_plot_writes_png(tmp_path):
 
 
 def test_plot_accepts_torch_and_str_path(tmp_path):
-    from calm_lightning.evaluation.reliability import plot_reliability_diagram
+    from calm_lightning.metrics.reliability import plot_reliability_diagram
 
     out = plot_reliability_diagram(
         torch.tensor(HAND3_PROBS), torch.tensor(HAND3_LABELS), str(tmp_path / "small.png"), n_bins=2

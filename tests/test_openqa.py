@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from calm_lightning.calibration.semantic import grade
 from calm_lightning.evaluation.openqa import OpenQAPredictions, OpenQASettings
 from calm_lightning.evaluation.sampling import sample_answers
 from calm_lightning.methods.supervised import smoothed_vocab_cross_entropy
+from calm_lightning.metrics.semantic import grade
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.pipeline import run_experiment
 from tests.conftest import compose_run
@@ -150,7 +150,7 @@ def _check_question_file(directory: Path, n_samples: int) -> list[dict]:
 
 def test_gen_ood_base_and_calm_end_to_end(tmp_path):
     cfg = compose_run(gen_ood("method=calm", "method.epochs=1"), tmp_path)
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     assert metrics["n"] == 4 and 0.0 <= metrics["sem_ece"] <= 1.0
     payload = json.loads((tmp_path / "metrics.json").read_text())
     assert set(payload["comparison"]) == {"base", "calm"}
@@ -188,7 +188,7 @@ def test_gen_ood_sampling_is_reproducible(tmp_path):
 @pytest.mark.parametrize("method", ["ls", "reg", "cft", "iterate", "ts"])
 def test_gen_ood_baselines_run(tmp_path, method):
     cfg = compose_run(gen_ood(f"method={method}", "method.epochs=1"), tmp_path)
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     assert metrics["n"] == 4 and "sem_ece" in metrics
     payload = json.loads((tmp_path / "metrics.json").read_text())
     assert set(payload["comparison"]) == {"base", method}
@@ -208,7 +208,7 @@ def test_embedded_model_answers_demo_questions(tmp_path):
         ],
         tmp_path,
     )
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     assert metrics["n"] == 8
     rows = _check_question_file(tmp_path, 8)
     answers = [s for r in rows for s in r["samples"]]

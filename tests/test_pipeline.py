@@ -58,7 +58,7 @@ def _check_run_outputs(run_dir: Path, metrics: dict, n: int) -> None:
 
 def test_base_run_on_the_tiny_model(tmp_path, capsys):
     cfg = compose_run(TINY_BASE, tmp_path)
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     _check_run_outputs(tmp_path, metrics, 40)
     rows = _predictions(tmp_path)
     test_ids = [r.id for r in EmbeddedDemoSource("mcqa", "test", limit=40).load()]
@@ -86,7 +86,7 @@ def test_calm_run_on_the_tiny_model_reports_base_and_calm(tmp_path, capsys):
         "method.module.upper_lr=0.05",
     ]
     cfg = compose_run(overrides, tmp_path)
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     _check_run_outputs(tmp_path, metrics, 16)
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert set(saved["comparison"]) == {"base", "calm"}
@@ -144,7 +144,7 @@ def test_demo_base_evaluation_on_the_embedded_model(tmp_path):
     from calm_lightning.models.loading import load_language_model
 
     cfg = compose_run(["method=base", "trainer.enable_progress_bar=false"], tmp_path)
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     records = EmbeddedDemoSource("mcqa", "test").load()
     _check_run_outputs(tmp_path, metrics, len(records))
     assert all(np.isfinite(v) for v in metrics.values())
@@ -169,7 +169,7 @@ def test_calm_outer_steps_on_the_embedded_model_raise_heldout_entropy(tmp_path):
     """A few outer steps of the demo: held-out entropy (fixed examples) goes up, metrics finite."""
     from calm_lightning.data.datamodule import CalibrationDataModule
     from calm_lightning.models.loading import load_language_model
-    from calm_lightning.pipeline import build_calibrated_lm, build_method
+    from calm_lightning.pipeline import build_method
 
     cfg = compose_run(
         [
@@ -181,7 +181,7 @@ def test_calm_outer_steps_on_the_embedded_model_raise_heldout_entropy(tmp_path):
         tmp_path,
     )
     loaded = load_language_model(cfg.model)
-    module = build_method(cfg, build_calibrated_lm(cfg, loaded), loaded.tokenizer)
+    module = build_method(cfg, loaded)
     probe = CalibrationDataModule(
         loaded.tokenizer,
         train=EmbeddedDemoSource("instruction", "heldout", limit=8),
@@ -198,7 +198,9 @@ def test_calm_outer_steps_on_the_embedded_model_raise_heldout_entropy(tmp_path):
             return -module.upper_loss_fn(batch)().item()
 
     before = heldout_entropy()
-    metrics = run_experiment(cfg)  # same config, its own model copy: checks the pipeline too
+    metrics = run_experiment(
+        cfg
+    ).metrics  # same config, its own model copy: checks the pipeline too
     assert all(np.isfinite(v) for v in metrics.values())
     # Re-run the same steps on this module to measure the fixed-batch entropy change.
     import lightning as L

@@ -15,12 +15,8 @@ from calm_lightning.data.fit_split import FitTestSplit
 from calm_lightning.data.records import MCQARecord
 from calm_lightning.data.sources import EmbeddedDemoSource
 from calm_lightning.errors import ConfigError
-from calm_lightning.methods.reference import (
-    parse_answer_letter,
-    parse_confidence,
-    permutation_average,
-    stated_answer_probs,
-)
+from calm_lightning.evaluation.verbalized import parse_answer_letter, parse_confidence
+from calm_lightning.methods.prompting import permutation_average, stated_answer_probs
 from calm_lightning.pipeline import run_experiment
 from tests.conftest import compose_run
 
@@ -51,7 +47,7 @@ def test_daca_and_dual_align_recover_the_known_temperature(tmp_path):
     for method in ("daca", "dual_align"):
         out = tmp_path / method
         cfg = compose_run(_pair(method, tmp_path, _with_cache(tmp_path)), out)
-        metrics = run_experiment(cfg)
+        metrics = run_experiment(cfg).metrics
         payload = json.loads((out / "metrics.json").read_text())
         results[method] = payload
         fit = payload["posthoc"]
@@ -90,7 +86,7 @@ def test_reference_methods_refuse_without_a_reference_model(tmp_path, monkeypatc
 
 
 def test_option_token_disagreement_fails_clearly(tmp_path, monkeypatch):
-    import calm_lightning.methods.reference as reference
+    import calm_lightning.methods.reference_temperature as reference
     from calm_lightning.evaluation.mcqa import OptionTokens
 
     monkeypatch.setattr(
@@ -114,7 +110,7 @@ def test_dual_align_on_mmlu_fixture_files(tmp_path):
         "setting.test.fit_fraction=0.5",
         "setting.eval_batch_size=4",
     ]
-    metrics = run_experiment(compose_run(overrides, tmp_path))
+    metrics = run_experiment(compose_run(overrides, tmp_path)).metrics
     fit = json.loads((tmp_path / "metrics.json").read_text())["posthoc"]
     assert metrics["n"] == 3 and fit["n"] == 3
     assert fit["temperature"] == pytest.approx(K, rel=0.05)
@@ -126,7 +122,7 @@ def test_confidence_methods_run_end_to_end(tmp_path, method):
     if method == "elicitation":
         extra.append("method.module.max_new_tokens=6")  # a random model never stops early
     overrides = _pair(method, tmp_path, extra)
-    metrics = run_experiment(compose_run(overrides, tmp_path))
+    metrics = run_experiment(compose_run(overrides, tmp_path)).metrics
     rows = [json.loads(x) for x in (tmp_path / "predictions.jsonl").open()]
     assert metrics["n"] == len(rows) == 14
     probs = np.array([r["probs"] for r in rows])
@@ -214,7 +210,7 @@ def test_answer_letter_parser(text, expected):
 
 def test_ts_oracle_fits_on_the_whole_fit_part(tmp_path):
     overrides = [o for o in _pair("ts", tmp_path) if not o.startswith("reference_")]
-    metrics = run_experiment(compose_run(overrides, tmp_path))
+    metrics = run_experiment(compose_run(overrides, tmp_path)).metrics
     fit = json.loads((tmp_path / "metrics.json").read_text())["posthoc"]
     assert fit["n"] == 36 and metrics["n"] == 84  # method_setting/ts_demo_posthoc.yaml
 
@@ -234,7 +230,7 @@ def test_dual_align_with_the_embedded_model_as_polm(tmp_path):
         "logger=none",
         *_with_cache(tmp_path),
     ]
-    metrics = run_experiment(compose_run(overrides, tmp_path))
+    metrics = run_experiment(compose_run(overrides, tmp_path)).metrics
     payload = json.loads((tmp_path / "metrics.json").read_text())
     fit = payload["posthoc"]
     assert fit["n"] == 12 and fit["n_layers"] == 30 and np.isfinite(fit["temperature"])

@@ -257,7 +257,7 @@ def test_base_runs_end_to_end_on_local_hub_schema_files(tmp_path, overrides):
     cfg = compose_run(
         ["model=tiny", "method=base", "trainer.enable_progress_bar=false", *overrides()], tmp_path
     )
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     assert metrics["n"] == 4
     summary = json.loads((tmp_path / "data_summary.json").read_text())
     assert summary["test"]["n"] == 4

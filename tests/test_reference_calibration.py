@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.spatial.distance import jensenshannon
 
-from calm_lightning.calibration.reference import (
+from calm_lightning.calibrators.reference import (
     agreement_mask,
     daca_loss,
     dual_align_loss,

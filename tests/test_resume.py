@@ -43,7 +43,7 @@ def _probs(run_dir) -> np.ndarray:
 
 
 def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
-    full = run_experiment(compose_run(RUN, tmp_path / "full"))
+    full = run_experiment(compose_run(RUN, tmp_path / "full")).metrics
     killed = compose_run(
         [*RUN, "+callbacks.kill._target_=tests.test_resume.KillAtSecondEpoch"], tmp_path / "killed"
     )
@@ -52,7 +52,7 @@ def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
     assert (tmp_path / "killed" / "checkpoints" / "last.ckpt").is_file()
     resumed = run_experiment(
         compose_run([*RUN, f"ckpt_path={tmp_path / 'killed'}"], tmp_path / "resumed")
-    )
+    ).metrics
     # Parameters, optimizer moments, schedules and batches at the resume point are bit-equal
     # to the uninterrupted run's; BLAS summation order can still differ in the last bits
     # afterwards (CPU kernels depend on buffer alignment), so compare within a float tolerance.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from calm_lightning.calibration.semantic import (
+from calm_lightning.metrics.semantic import (
     EmbeddingClusterer,
     answer_core,
     cluster_exact,

@@ -72,7 +72,7 @@ def test_offline_wandb_run_holds_metrics_config_image_and_table(tmp_path, monkey
         ],
         tmp_path,
     )
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     (run_file,) = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     run_id = (tmp_path / "wandb_id.txt").read_text().strip()
     assert run_file.name == f"run-{run_id}.wandb"
@@ -95,7 +95,7 @@ def test_open_qa_run_publishes_sem_ece_and_the_question_table(tmp_path, monkeypa
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = compose_run(gen_ood("method=base", "clusterer=exact", "logger=wandb"), tmp_path)
-    metrics = run_experiment(cfg)
+    metrics = run_experiment(cfg).metrics
     (run_file,) = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     summary = _values(read_wandb_records(run_file), "summary")
     assert summary["base/sem_ece"] == pytest.approx(metrics["sem_ece"])

@@ -101,18 +101,31 @@ class CalibrationDataModule(L.LightningDataModule):
             log.info("%s split: %d records from %s", split, len(self.records[split]), source.name)
         return self.records[split]
 
+    def load_records(self) -> dict[str, list]:
+        """Read and validate every configured split now (files exist, parse, required fields
+        present): the pipeline calls this before any model is loaded, so a bad data file
+        fails in seconds, not after a 7B model has loaded."""
+        for split, source in self.sources.items():
+            if source is not None:
+                self._load(split)
+        self._check_test_kind()
+        return self.records
+
+    def _check_test_kind(self) -> None:
+        test = self._load("test")
+        if test and not isinstance(test[0], MCQARecord | OpenQARecord):
+            raise ConfigError(
+                "the test split must be multiple-choice (kind: mcqa) or open-ended QA "
+                "(kind: openqa)"
+            )
+
     def setup(self, stage: str | None = None) -> None:
         if stage in (None, "fit"):
             self._load("train")
             if self.sources["heldout"] is not None:
                 self._load("heldout")
         if stage in (None, "test", "predict", "validate"):
-            test = self._load("test")
-            if test and not isinstance(test[0], MCQARecord | OpenQARecord):
-                raise ConfigError(
-                    "the test split must be multiple-choice (kind: mcqa) or open-ended QA "
-                    "(kind: openqa)"
-                )
+            self._check_test_kind()
 
     @property
     def train_collator(self) -> InstructionCollator:

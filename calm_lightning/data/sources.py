@@ -59,7 +59,7 @@ class LocalFileSource:
 
 
 class EmbeddedDemoSource(LocalFileSource):
-    """The project's own offline demo data (written by `calm_lightning.data.build_demo`)."""
+    """The project's own offline demo data (written by `python -m tools.demo_data.build`)."""
 
     def __init__(self, kind: str, split: str, limit: int | None = None) -> None:
         if kind not in KINDS:

@@ -1,1 +1,2 @@
-"""Evaluation: running benchmarks and plotting reliability diagrams."""
+"""Evaluation: getting predictions from a model (MCQA option scoring, answer sampling for
+open QA, parsing stated answers) and writing result files."""

@@ -14,7 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from calm_lightning.calibration.semantic import (
+from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.results import result_paths
+from calm_lightning.evaluation.sampling import sample_answers
+from calm_lightning.metrics.reliability import plot_confidence_reliability
+from calm_lightning.metrics.semantic import (
     Clusterer,
     ExactMatchClusterer,
     extract_answer,
@@ -23,10 +27,6 @@ from calm_lightning.calibration.semantic import (
     semantic_ece,
     split_half_answer,
 )
-from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.reliability import plot_confidence_reliability
-from calm_lightning.evaluation.results import result_paths
-from calm_lightning.evaluation.sampling import sample_answers
 
 CONFIDENCES = ("modal", "split_half")
 

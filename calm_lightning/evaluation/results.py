@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from calm_lightning.evaluation.reliability import plot_reliability_diagram
+from calm_lightning.metrics.reliability import plot_reliability_diagram
 
 TABLE_COLUMNS = (
     ("accuracy", "acc"),

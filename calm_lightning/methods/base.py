@@ -1,24 +1,43 @@
-"""The shared LightningModule: every method is evaluated by the same test loop here (MCQA
-option scoring, or sampling + Sem-ECE when the test split is open-ended QA).
+"""The method protocol and the shared test loop.
 
-A training method subclasses `CalibrationMethod`, sets `trains = True` and implements
-`training_step` / `configure_optimizers`; evaluation, metrics and result files stay shared.
+Every method is a `CalibrationMethod` (a LightningModule). The pipeline knows only this
+protocol (docs/architecture.md):
+
+* class attributes state what the method needs, checked before any model is loaded
+  (`check_requirements`): adapters, a logit-adjustment head, held-out data, a reference model,
+  the kind of training data;
+* `build_model` wraps the loaded LM into the `CalibratedLM` the method works on;
+* `calibrate(trainer, datamodule, ckpt_path)` does whatever the method does before evaluation
+  (nothing for `base`, `Trainer.fit` for training methods, a fit on held-out data for post-hoc
+  temperatures) and returns what it fitted, for metrics.json;
+* evaluation is shared: MCQA option scoring, or sampling + Sem-ECE when the test split is
+  open-ended QA. Methods that produce their confidence differently override
+  `option_probabilities` and nothing else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 
-from calm_lightning.calibration.metrics import calibration_report
 from calm_lightning.data.records import OpenQARecord
+from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.mcqa import OptionTokens, choose_option_tokens, score_options
 from calm_lightning.evaluation.openqa import OpenQAPredictions, OpenQASettings, score_openqa_batch
+from calm_lightning.metrics.calibration import calibration_report
 from calm_lightning.models.calibrated_lm import CalibratedLM
+from calm_lightning.models.logit_adjustment import LogitAdjustment
+from calm_lightning.models.lora import wrap_with_lora
+
+# `head` values: no head, the method's configured head (`method.head`: kind, center), or one
+# scalar temperature d = 1 / T over the untouched logits (post-hoc temperature methods).
+HEAD_NONE, HEAD_CONFIGURED, HEAD_TEMPERATURE = None, "configured", "temperature"
+TEMPERATURE_HEAD = {"kind": "scalar", "center": "none"}
 
 
 @dataclass
@@ -40,9 +59,18 @@ class MCQAPredictions:
 
 
 class CalibrationMethod(L.LightningModule):
-    """Holds the calibrated LM and scores MCQA test batches."""
+    """Holds the calibrated LM, calibrates it (`calibrate`) and scores test batches."""
 
-    trains = False
+    # ----- what the method needs (checked before any model is loaded) -----
+    uses_adapter: ClassVar[bool] = False  # attach the `peft` group's adapters
+    head: ClassVar[str | None] = HEAD_NONE  # HEAD_NONE | HEAD_CONFIGURED | HEAD_TEMPERATURE
+    needs_heldout: ClassVar[bool] = False  # the setting must define held-out data
+    needs_reference_model: ClassVar[bool] = False  # a pre-trained reference model is required
+    train_kinds: ClassVar[tuple[str, ...] | None] = None  # allowed training-data kinds; None = any
+    train_kinds_reason: ClassVar[str] = ""  # shown when the training data is of another kind
+    # Whether `calibrate` changes the model: the run then scores the untouched model first
+    # (the base row) and saves what changed under calibration/.
+    changes_model: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -132,11 +160,86 @@ class CalibrationMethod(L.LightningModule):
         return MCQAPredictions(ids, probs, labels, self.option_tokens, predicted)
 
     def save_calibration(self, directory) -> None:
-        """Write what training changed (adapter + head) to `directory`."""
+        """Write what calibration changed (adapter + head) to `directory`."""
         self.model.save(directory)
+
+    # ----- the protocol the pipeline calls -----
+    @classmethod
+    def check_requirements(cls, cfg, sources: dict) -> None:
+        """Refuse a method / setting pair that cannot work, before any model is loaded."""
+        method, setting = cfg.method.name, cfg.setting.name
+        kind = getattr(sources.get("train"), "kind", None)
+        if cls.train_kinds is not None and kind not in cls.train_kinds:
+            raise ConfigError(
+                f"method={method} cannot run in setting={setting}: {cls.train_kinds_reason}"
+            )
+        if cls.needs_heldout and sources.get("heldout") is None:
+            raise ConfigError(
+                f"method={method} needs held-out data, which setting={setting} does not "
+                "define (setting.heldout)"
+            )
+        if cls.needs_reference_model and not cfg.get("reference_model"):
+            raise ConfigError(
+                f"method={method} calibrates against a pre-trained model and needs "
+                "reference_model=<PLM of the same family as the model>, e.g. "
+                "`model=llama31_8b_instruct reference_model=llama31_8b` or "
+                "`model=qwen25_7b_instruct reference_model=qwen25_7b` (conf/reference_model/)"
+            )
+        if cls.head == HEAD_CONFIGURED and not cfg.method.get("head"):
+            raise ConfigError(
+                f"method={method} tunes a logit-adjustment head: set method.head "
+                "(kind: vector | scalar, center: none | logsumexp | mean)"
+            )
+
+    @classmethod
+    def build_model(cls, loaded, peft: dict, head: dict | None = None) -> CalibratedLM:
+        """The loaded LM with this method's adapters (per the `peft` group) and head.
+
+        `head` is the method's configured head (`method.head`), read only when the method
+        tunes one (HEAD_CONFIGURED).
+        """
+        lm = loaded.model
+        peft = dict(peft)
+        kind = peft.pop("method", "none")
+        if kind not in ("lora", "none"):
+            raise ConfigError(f"peft.method={kind!r} is not one of lora, none")
+        if cls.uses_adapter and kind == "lora":
+            lm = wrap_with_lora(lm, peft, quantized=loaded.quantized)
+        options = {HEAD_CONFIGURED: head, HEAD_TEMPERATURE: TEMPERATURE_HEAD}.get(cls.head)
+        module = None
+        if options:
+            vocab = lm.get_output_embeddings().weight.shape[0]
+            module = LogitAdjustment(vocab, **options)
+        return CalibratedLM(lm, module)
+
+    def calibrate(self, trainer, datamodule, ckpt_path: str | None = None) -> dict:
+        """Change the model before evaluation; return what was fitted (for metrics.json).
+        The base method changes nothing."""
+        return {}
+
+
+class PosthocTemperature(CalibrationMethod):
+    """A method that fits one temperature on held-out data without training: a predict pass
+    over `posthoc_loader(datamodule)` collects what the fit needs, `fit_posthoc` fits T and
+    installs it as the scalar head d = 1 / T (accuracy unchanged)."""
+
+    head = HEAD_TEMPERATURE
+    needs_heldout = True
+    changes_model = True
+
+    def calibrate(self, trainer, datamodule, ckpt_path: str | None = None) -> dict:
+        loader = self.posthoc_loader(datamodule)
+        trainer.predict(self, dataloaders=loader, return_predictions=False)
+        return {"posthoc": self.fit_posthoc()}
+
+    def posthoc_loader(self, datamodule):
+        """The held-out batches the fit reads."""
+        raise NotImplementedError
+
+    def fit_posthoc(self) -> dict:
+        """Fit T on what the predict pass collected, install it, return the fit's summary."""
+        raise NotImplementedError
 
 
 class BaseMethod(CalibrationMethod):
     """The aligned model as it is (the paper's DPO / RLHF row): no training."""
-
-    trains = False

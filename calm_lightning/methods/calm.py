@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from calm_lightning.errors import ConfigError
+from calm_lightning.methods.base import HEAD_CONFIGURED
 from calm_lightning.methods.bome import bome_direction
 from calm_lightning.methods.objectives import adjusted_predictions, cross_entropy, mean_entropy
 from calm_lightning.methods.training import (
@@ -109,6 +110,8 @@ def bilevel_gradients(
 
 class CALM(TrainingMethod):
     """The CALM LightningModule (manual optimization, two AdamW optimizers)."""
+
+    head = HEAD_CONFIGURED  # alpha = (d, l), `method.head`
 
     def __init__(
         self,

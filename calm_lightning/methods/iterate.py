@@ -10,11 +10,17 @@ from __future__ import annotations
 import torch
 
 from calm_lightning.errors import ConfigError
+from calm_lightning.methods.base import HEAD_CONFIGURED
 from calm_lightning.methods.objectives import adjusted_predictions, cross_entropy, mean_entropy
 from calm_lightning.methods.training import TrainingMethod, first_non_finite
 
 
 class Iterate(TrainingMethod):
+    """Alternating lower steps on the adapters and upper steps on the head (no BOME coupling)."""
+
+    head = HEAD_CONFIGURED  # the upper block, `method.head`
+    needs_heldout = True  # the upper step reads held-out batches
+
     def __init__(
         self,
         model,

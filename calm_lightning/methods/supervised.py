@@ -182,6 +182,13 @@ class LabelSmoothing(SupervisedMethod):
     eps is spread uniformly over the rest of the vocabulary), binned per token.
     """
 
+    train_kinds = ("mcqa", "openqa")
+    train_kinds_reason = (
+        "label smoothing needs MCQA training data (setting=id) or open-ended QA "
+        "(setting=gen_ood); the paper drops it for Alpaca because Alpaca turned into MCQA "
+        "always has answer A"
+    )
+
     def on_fit_start(self) -> None:
         super().on_fit_start()
         self.initial_pass_batches = None  # every training prediction needs its own bin

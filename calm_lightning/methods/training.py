@@ -55,9 +55,15 @@ def clamp_(params: Iterable[torch.Tensor], bound: float) -> None:
 
 
 class TrainingMethod(CalibrationMethod):
-    """A method that trains: checkpoints keep trainable tensors only."""
+    """A method that trains LoRA adapters (and a head where it has one) with `Trainer.fit`;
+    checkpoints keep trainable tensors only."""
 
-    trains = True
+    uses_adapter = True
+    changes_model = True
+
+    def calibrate(self, trainer, datamodule, ckpt_path: str | None = None) -> dict:
+        trainer.fit(self, datamodule=datamodule, ckpt_path=ckpt_path)
+        return {}
 
     def __init__(
         self,

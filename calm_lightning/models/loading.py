@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from calm_lightning.config import cuda_available
 from calm_lightning.errors import ConfigError, ModelUnavailableError
 from calm_lightning.models import embedded
+from calm_lightning.resolvers import cuda_available
 
 log = logging.getLogger(__name__)
 

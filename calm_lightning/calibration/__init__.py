@@ -1,1 +1,0 @@
-"""Calibration metrics and post-hoc calibrators."""

@@ -1,1 +1,0 @@
-"""Hydra config tree (a package so Hydra finds it when installed)."""

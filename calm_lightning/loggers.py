@@ -1,0 +1,95 @@
+"""Loggers of a run: built from the `logger` group (csv, wandb, none), the final results
+published to W&B (summary, config, reliability diagram, per-example table), and closed so the
+next job of a multirun starts clean."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+WANDB_ID_FILE = "wandb_id.txt"
+
+
+def _wandb_overrides(cfg: DictConfig, node: DictConfig, resume_from: str | None) -> dict:
+    """Run id kept in the output dir (a resumed run continues the same W&B run) and, in a
+    multirun, a group named after the sweep."""
+    out = Path(cfg.paths.output_dir)
+    extra: dict = {}
+    if not node.get("id"):
+        candidates = [out / WANDB_ID_FILE]
+        if resume_from:
+            candidates.insert(0, Path(resume_from).parent.parent / WANDB_ID_FILE)
+        found = next((c for c in candidates if c.is_file()), None)
+        if found:
+            run_id = found.read_text().strip()
+        else:
+            import secrets
+
+            # W&B run ids are short lowercase alphanumerics; any unique such string works.
+            run_id = secrets.token_hex(4)
+        (out / WANDB_ID_FILE).write_text(run_id)
+        extra["id"] = run_id
+    if not node.get("group"):
+        from calm_lightning.resolvers import in_multirun
+
+        if in_multirun():
+            from hydra.core.hydra_config import HydraConfig
+
+            extra["group"] = Path(HydraConfig.get().sweep.dir).name
+        else:
+            extra["group"] = cfg.setting.name
+    return extra
+
+
+def build_loggers(cfg: DictConfig, resume_from: str | None = None) -> list:
+    """The configured loggers; a W&B run resumed from a checkpoint keeps its run id."""
+    loggers = []
+    for node in (cfg.get("logger") or {}).values():
+        if not node:
+            continue
+        is_wandb = str(node.get("_target_", "")).endswith("WandbLogger")
+        loggers.append(
+            instantiate(node, **(_wandb_overrides(cfg, node, resume_from) if is_wandb else {}))
+        )
+    return loggers
+
+
+def publish_to_wandb(loggers: list, cfg: DictConfig, out: Path, rows: dict) -> None:
+    """Final metrics into the run summary, the resolved config (flattened), the reliability
+    diagram as an image and the per-example predictions as a table."""
+    for logger in loggers:
+        if type(logger).__name__ != "WandbLogger":
+            continue
+        import pandas as pd
+        import wandb
+
+        flat = pd.json_normalize(OmegaConf.to_container(cfg, resolve=True), sep=".")
+        logger.log_hyperparams(flat.iloc[0].to_dict())
+        run = logger.experiment
+        for method, metrics in rows.items():
+            run.summary.update({f"{method}/{k}": v for k, v in metrics.items()})
+        run.log({"reliability": wandb.Image(str(out / "reliability.png"))})
+        rows_json = [
+            json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()
+        ]
+        columns = list(rows_json[0]) if rows_json else []
+        # Lists (option probabilities, samples, clusters) go in as JSON text cells.
+        table = wandb.Table(
+            columns=columns,
+            data=[
+                [json.dumps(v) if isinstance(v, list | dict) else v for v in r.values()]
+                for r in rows_json
+            ],
+        )
+        run.log({"predictions": table})
+
+
+def finish_loggers(loggers: list) -> None:
+    """Close loggers so the next job of a multirun starts clean (W&B needs an explicit finish)."""
+    for logger in loggers:
+        experiment = getattr(logger, "_experiment", None)
+        if experiment is not None and hasattr(experiment, "finish"):
+            experiment.finish()

@@ -1,0 +1,1 @@
+"""The offline demo data generator (fact tables + builder)."""
