@@ -27,15 +27,18 @@ install: $(VENV)/.installed
 demo: install
 	$(OFFLINE) $(PY) -m calm_lightning.run $(ARGS)
 
-test: install
+# The test target lints first, so CI (`.ci/run` = `make test`) fails on lint too.
+test: lint
 	$(OFFLINE) $(PY) -m pytest -m "not slow" $(ARGS)
 
-test-full: install
+test-full: lint
 	$(OFFLINE) $(PY) -m pytest $(ARGS)
 
+LINTED := calm_lightning conf tests benchmarks tools
+
 lint: install
-	$(PY) -m ruff check calm_lightning tests benchmarks
-	$(PY) -m ruff format --check calm_lightning tests benchmarks
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -15,7 +15,7 @@ def auto_precision() -> str:
     """Lightning precision for `precision: auto`: bf16 mixed on a bf16-capable GPU, fp32 on CPU.
 
     fp32 on CPU although bf16 is ~3x faster there: bf16 moves option probabilities by up to
-    0.05 and flips the argmax on ~6 % of questions (PLATFORM-FACTS.md), which calibration
+    0.05 and flips the argmax on ~6 % of questions (docs/platform.md), which calibration
     metrics cannot tolerate.
     """
     if cuda_available() and torch.cuda.is_bf16_supported():

@@ -105,7 +105,7 @@ def test_batched_equals_one_by_one_and_direct_forward(tiny_loaded):
 
 def test_positions_ignore_left_padding():
     """RoPE is relative, so in fp32 a constant shift barely shows; in bf16 it moves option
-    probabilities by up to 0.04 (PLATFORM-FACTS.md). Positions must restart at each row's
+    probabilities by up to 0.04 (docs/platform.md). Positions must restart at each row's
     first real token."""
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
     expected = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]])

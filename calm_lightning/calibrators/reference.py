@@ -1,5 +1,5 @@
 """Label-free temperature fitting against a pre-trained reference model (PLM): DACA and
-Dual-Align (ALGORITHMS.md, "Post-hoc calibrators that use the pre-trained model").
+Dual-Align (docs/posthoc.md).
 
 Everything here works on option logits from the logit lens, shaped (N, L, K): N questions,
 L layers (the last one is the model's own output), K options. The post-trained model (PoLM)

@@ -3,7 +3,7 @@ then a small sampling loop draws all n answers together, with the logit-adjustme
 over the full vocabulary at every step.
 
 `generate(num_return_sequences=n)` re-encodes the prompt n times and 20 separate `generate`
-calls re-encode it 20 times (PLATFORM-FACTS.md: 5.7 s and 17.2 s per question against 2.6 s
+calls re-encode it 20 times (docs/platform.md: 5.7 s and 17.2 s per question against 2.6 s
 for this loop on the embedded model), and a pre-filled cache passed to `generate()` is not
 reused, hence the hand-written loop.
 """

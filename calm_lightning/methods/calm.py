@@ -4,7 +4,7 @@ theta = the LoRA adapter tensors, alpha = (d, l) of the logit-adjustment head.
 Lower level  g(alpha, theta) = cross-entropy of the adjusted model on a training batch.
 Upper level  f(alpha, theta) = - mean entropy of the adjusted model on a held-out batch.
 
-One outer step (ALGORITHMS.md, "CALM"):
+One outer step (docs/calm.md):
  1. surrogate theta~ <- copy of theta (adapter tensors only), T plain gradient steps on g
     with the lower LR, evaluated through `functional_call` (the live parameters never move);
  2. residual q = g(alpha, theta) - g(alpha, stopgrad theta~):

@@ -58,7 +58,7 @@ def resolve_quantization(value: str) -> bool:
     if value == "nf4":
         if not cuda_available():
             # On CPU bitsandbytes 4-bit runs but inference before training silently breaks
-            # LoRA gradients (PLATFORM-FACTS.md), so we refuse rather than train nothing.
+            # LoRA gradients (docs/platform.md), so we refuse rather than train nothing.
             raise ConfigError(
                 "model.quantization=nf4 needs a CUDA GPU; on CPU use model.quantization=none "
                 "(or auto, which picks fp32 LoRA on CPU)."
