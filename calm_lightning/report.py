@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from calm_lightning.reporting.report import collect_runs, write_report
+from calm_lightning.reporting.collect import collect_runs
+from calm_lightning.reporting.render import write_report
 
 
 def main(argv: list[str] | None = None) -> int:

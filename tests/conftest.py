@@ -1,8 +1,11 @@
-"""Shared fixtures: offline environment, config composition and the tiny model."""
+"""Shared fixtures: offline environment, config composition, the override lists several test
+modules use, and the tiny model. Test modules request these as fixture arguments and never
+import from each other or from this file (tests/test_layout.py checks)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Nothing in the test suite may reach the Hugging Face Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,20 +14,112 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hydra import compose, initialize_config_module  # noqa: E402
+from hydra import compose as hydra_compose  # noqa: E402
+from hydra import initialize_config_module  # noqa: E402
 
 import calm_lightning.resolvers  # noqa: E402, F401  (registers resolvers)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-def compose_run(overrides: list[str] | None = None, output_dir=None):
+HUB = Path(__file__).parent / "fixtures" / "hub"  # local files in each hub dataset's schema
+SIZES = {"train": 4, "calibration": 2, "test": 4, "ood_test": 4}
+MCQA_FILES = {
+    name: str(HUB / f"{name}.jsonl") for name in ("mmlu", "medmcqa", "openbookqa", "arc_challenge")
+}
+
+
+def _compose_run(overrides: list[str] | None = None, output_dir=None):
     """Compose the primary config like `python -m calm_lightning.run` would."""
     overrides = list(overrides or [])
     if output_dir is not None:
         overrides.append(f"paths.output_dir={output_dir}")
     with initialize_config_module("calm_lightning.conf", version_base="1.3"):
-        return compose("run", overrides=overrides)
+        return hydra_compose("run", overrides=overrides)
+
+
+@pytest.fixture(scope="session")
+def compose():
+    """`compose(overrides, output_dir=None)`: the primary config like `python -m
+    calm_lightning.run` would compose it, with `paths.output_dir` set when given."""
+    return _compose_run
+
+
+@pytest.fixture
+def ood_overrides() -> list[str]:
+    """setting=ood on the local hub-schema files: 8 / 3 / 2 Alpaca items, 4 MCQA test items."""
+    return [
+        "setting=ood",
+        f"setting.train.files=[{HUB / 'alpaca.jsonl'}]",
+        "setting.train.train_size=8",
+        "setting.train.heldout_size=3",
+        "setting.train.test_size=2",
+        *[f"setting.test.sources.{n}.files=[{p}]" for n, p in MCQA_FILES.items()],
+        *[f"setting.test.sizes.{k}={v}" for k, v in SIZES.items()],
+        "setting.batch_size=2",
+        "setting.heldout_batch_size=2",
+        "setting.eval_batch_size=4",
+        "setting.max_length=128",
+    ]
+
+
+@pytest.fixture
+def id_overrides() -> list[str]:
+    """setting=id on the local hub-schema MCQA files: 4 train, 2 calibration, 4 test items."""
+    return [
+        "setting=id",
+        *[f"setting.train.sources.{n}.files=[{p}]" for n, p in MCQA_FILES.items()],
+        *[f"setting.train.sizes.{k}={v}" for k, v in SIZES.items()],
+        "setting.batch_size=2",
+        "setting.heldout_batch_size=2",
+        "setting.eval_batch_size=4",
+        "setting.max_length=256",
+    ]
+
+
+@pytest.fixture
+def gen_overrides() -> list[str]:
+    """setting=gen_ood on the local PopQA / TriviaQA files, 3 items per part."""
+    return [
+        "setting=gen_ood",
+        f"setting.train.files=[{HUB / 'popqa.jsonl'}]",
+        "setting.train.eval_size=3",
+        "setting.train.heldout_size=3",
+        f"setting.test.files=[{HUB / 'triviaqa.jsonl'}]",
+        "setting.test.eval_size=3",
+        "setting.test.heldout_size=3",
+        "setting.batch_size=2",
+        "setting.heldout_batch_size=2",
+    ]
+
+
+def _gen_ood(*extra: str) -> list[str]:
+    return [
+        "model=tiny",
+        "model.tiny.embedding_scale=1.0",  # near-uniform tiny model: varied, non-empty samples
+        "peft.r=4",
+        "trainer.enable_progress_bar=false",
+        "setting=gen_ood",
+        f"setting.train.files=[{HUB / 'popqa.jsonl'}]",
+        "setting.train.eval_size=3",
+        "setting.train.heldout_size=3",
+        f"setting.test.files=[{HUB / 'triviaqa.jsonl'}]",
+        "setting.test.eval_size=4",
+        "setting.test.heldout_size=3",
+        "setting.batch_size=2",
+        "setting.heldout_batch_size=2",
+        "setting.eval_batch_size=3",
+        "evaluation.openqa.n_samples=6",
+        "evaluation.openqa.max_new_tokens=4",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def gen_ood():
+    """`gen_ood(*extra)`: overrides for a small open-QA run of the tiny model (setting=gen_ood
+    on the local files, 4 test questions, 6 samples of up to 4 tokens), then `extra`."""
+    return _gen_ood
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +127,7 @@ def tiny_loaded():
     """The tiny random Llama with the embedded tokenizer (built once per session)."""
     from calm_lightning.models.loading import load_language_model
 
-    cfg = compose_run(["model=tiny", "paths.output_dir=/tmp/unused"])
+    cfg = _compose_run(["model=tiny", "paths.output_dir=/tmp/unused"])
     return load_language_model(cfg.model)
 
 

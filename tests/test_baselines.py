@@ -25,8 +25,6 @@ from calm_lightning.methods.supervised import (
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
 from calm_lightning.pipeline import run_experiment
-from tests.conftest import compose_run
-from tests.test_real_data import _id_overrides
 
 # ----- temperature scaling -----
 
@@ -204,8 +202,8 @@ DEMO = [
         ("cft", ["method.module.initial_pass_batches=2"]),
     ],
 )
-def test_methods_run_end_to_end_on_demo(tmp_path, method, extra):
-    cfg = compose_run([*TINY, *DEMO, f"method={method}", *extra], tmp_path)
+def test_methods_run_end_to_end_on_demo(tmp_path, method, extra, compose):
+    cfg = compose([*TINY, *DEMO, f"method={method}", *extra], tmp_path)
     metrics = run_experiment(cfg).metrics
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["method"] == method and set(saved["comparison"]) == {"base", method}
@@ -220,12 +218,12 @@ def test_methods_run_end_to_end_on_demo(tmp_path, method, extra):
 
 
 @pytest.mark.parametrize("method", ["ls", "ts", "reg"])
-def test_methods_run_in_the_id_setting(tmp_path, method):
-    cfg = compose_run(
+def test_methods_run_in_the_id_setting(tmp_path, method, compose, id_overrides):
+    cfg = compose(
         [
             *TINY,
             f"method={method}",
-            *_id_overrides(),
+            *id_overrides,
             "trainer.limit_train_batches=2",
             "trainer.max_epochs=1",
         ],
@@ -239,22 +237,22 @@ def test_methods_run_in_the_id_setting(tmp_path, method):
         assert saved["posthoc"]["n"] == 1  # half of the 2-item calibration split
 
 
-def test_label_smoothing_refuses_ood_before_loading_a_model(tmp_path, monkeypatch):
+def test_label_smoothing_refuses_ood_before_loading_a_model(tmp_path, monkeypatch, compose):
     import calm_lightning.pipeline as pipeline
 
     def never(*args, **kwargs):
         raise AssertionError("the model must not be loaded")
 
     monkeypatch.setattr(pipeline, "load_language_model", never)
-    cfg = compose_run(["method=ls", "setting=demo"], tmp_path)
+    cfg = compose(["method=ls", "setting=demo"], tmp_path)
     with pytest.raises(ConfigError, match="method=ls cannot run in setting=demo: label smoothing"):
         run_experiment(cfg)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ts", "reg"])
-def test_baseline_on_the_embedded_model(tmp_path, method):
-    cfg = compose_run(
+def test_baseline_on_the_embedded_model(tmp_path, method, compose):
+    cfg = compose(
         [
             f"method={method}",
             "setting.test.limit=64",

@@ -10,8 +10,6 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
-from tests.conftest import compose_run
-
 CONF = Path(str(resources.files("calm_lightning.conf")))
 
 
@@ -19,9 +17,9 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-def _check_composes(model: str, method: str, setting: str, tmp_path, extra=()):
+def _check_composes(compose, model: str, method: str, setting: str, tmp_path, extra=()):
     overrides = [f"model={model}", f"method={method}", f"setting={setting}", *extra]
-    cfg = compose_run(overrides, tmp_path)
+    cfg = compose(overrides, tmp_path)
     OmegaConf.resolve(cfg)  # every interpolation resolves
     assert cfg.model.name == model and cfg.method.name == method and cfg.setting.name == setting
     assert cfg.model.source in {"embedded", "hub", "tiny"}
@@ -34,19 +32,19 @@ def _check_composes(model: str, method: str, setting: str, tmp_path, extra=()):
 # product grew past a thousand compositions, ~2.5 min, for no extra coverage).
 @pytest.mark.parametrize("method", options("method"))
 @pytest.mark.parametrize("setting", options("setting"))
-def test_every_method_setting_pair_composes(method, setting, tmp_path):
-    _check_composes("tiny", method, setting, tmp_path)
+def test_every_method_setting_pair_composes(method, setting, tmp_path, compose):
+    _check_composes(compose, "tiny", method, setting, tmp_path)
 
 
 @pytest.mark.parametrize("model", options("model"))
-def test_every_model_composes(model, tmp_path):
-    _check_composes(model, "ts", "id", tmp_path)
+def test_every_model_composes(model, tmp_path, compose):
+    _check_composes(compose, model, "ts", "id", tmp_path)
 
 
 @pytest.mark.parametrize("reference", options("reference_model"))
-def test_every_reference_model_composes(reference, tmp_path):
+def test_every_reference_model_composes(reference, tmp_path, compose):
     cfg = _check_composes(
-        "tiny", "dual_align", "demo_posthoc", tmp_path, [f"reference_model={reference}"]
+        compose, "tiny", "dual_align", "demo_posthoc", tmp_path, [f"reference_model={reference}"]
     )
     node = cfg.method.module.reference_model
     if reference == "none":
@@ -58,10 +56,10 @@ def test_every_reference_model_composes(reference, tmp_path):
 
 
 @pytest.mark.parametrize("logger", options("logger"))
-def test_trainer_and_loggers_instantiate(logger, tmp_path):
+def test_trainer_and_loggers_instantiate(logger, tmp_path, compose):
     if logger == "wandb":
         pytest.importorskip("wandb")
-    cfg = compose_run(
+    cfg = compose(
         [f"logger={logger}", "logger.wandb.offline=true"]
         if logger == "wandb"
         else [f"logger={logger}"],
@@ -73,13 +71,13 @@ def test_trainer_and_loggers_instantiate(logger, tmp_path):
 
 
 @pytest.mark.parametrize("setting", options("setting"))
-def test_setting_sources_instantiate(setting, tmp_path, monkeypatch):
+def test_setting_sources_instantiate(setting, tmp_path, monkeypatch, compose):
     """Bundled data loads; hub data (offline here, no cache) fails with its remedies."""
     from calm_lightning.errors import DataUnavailableError
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
-    cfg = compose_run([f"setting={setting}"], tmp_path)
+    cfg = compose([f"setting={setting}"], tmp_path)
     for split in ("train", "heldout", "test"):
         source = instantiate(cfg.setting[split])
         assert source.kind in {"mcqa", "instruction", "openqa"}
@@ -106,17 +104,17 @@ def test_every_config_field_is_commented():
     assert not missing, "\n".join(missing)
 
 
-def test_unknown_group_option_lists_the_valid_choices(tmp_path):
+def test_unknown_group_option_lists_the_valid_choices(tmp_path, compose):
     with pytest.raises(MissingConfigException) as err:
-        compose_run(["model=gpt5"], tmp_path)
+        compose(["model=gpt5"], tmp_path)
     message = str(err.value)
     for valid in options("model"):
         assert valid in message
 
 
-def test_unknown_key_is_rejected(tmp_path):
+def test_unknown_key_is_rejected(tmp_path, compose):
     with pytest.raises(ConfigCompositionException, match="evaluation.colour"):
-        compose_run(["evaluation.colour=red"], tmp_path)
+        compose(["evaluation.colour=red"], tmp_path)
 
 
 @pytest.mark.parametrize("sweep", options("sweep"))
@@ -157,10 +155,10 @@ def test_cluster_launcher_and_optuna_sweeper_compose(tmp_path):
     assert cfg.hydra.sweeper.direction == "minimize" and cfg.method.name == "calm"
 
 
-def test_sweep_objective_penalises_lost_accuracy(tmp_path):
+def test_sweep_objective_penalises_lost_accuracy(tmp_path, compose):
     from calm_lightning.run import sweep_objective
 
-    cfg = compose_run([], tmp_path)
+    cfg = compose([], tmp_path)
     base = {"base": {"accuracy": 0.5}}
     assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.45}, base) == pytest.approx(0.1)
     assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.39}, base) == pytest.approx(1.1)

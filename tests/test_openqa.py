@@ -17,9 +17,6 @@ from calm_lightning.methods.supervised import smoothed_vocab_cross_entropy
 from calm_lightning.metrics.semantic import grade
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.pipeline import run_experiment
-from tests.conftest import compose_run
-
-HUB = Path(__file__).parent / "fixtures" / "hub"
 
 
 def _hand_ece(confidences, correct, n_bins=10):
@@ -103,28 +100,6 @@ def test_vocab_label_smoothing_equals_explicit_soft_targets():
     assert smoothed_vocab_cross_entropy(logits, targets, keep) == pytest.approx(float(explicit))
 
 
-def gen_ood(*extra: str) -> list[str]:
-    return [
-        "model=tiny",
-        "model.tiny.embedding_scale=1.0",  # near-uniform tiny model: varied, non-empty samples
-        "peft.r=4",
-        "trainer.enable_progress_bar=false",
-        "setting=gen_ood",
-        f"setting.train.files=[{HUB / 'popqa.jsonl'}]",
-        "setting.train.eval_size=3",
-        "setting.train.heldout_size=3",
-        f"setting.test.files=[{HUB / 'triviaqa.jsonl'}]",
-        "setting.test.eval_size=4",
-        "setting.test.heldout_size=3",
-        "setting.batch_size=2",
-        "setting.heldout_batch_size=2",
-        "setting.eval_batch_size=3",
-        "evaluation.openqa.n_samples=6",
-        "evaluation.openqa.max_new_tokens=4",
-        *extra,
-    ]
-
-
 def _check_question_file(directory: Path, n_samples: int) -> list[dict]:
     rows = [json.loads(line) for line in (directory / "predictions.jsonl").read_text().splitlines()]
     for row in rows:
@@ -148,8 +123,8 @@ def _check_question_file(directory: Path, n_samples: int) -> list[dict]:
     return rows
 
 
-def test_gen_ood_base_and_calm_end_to_end(tmp_path):
-    cfg = compose_run(gen_ood("method=calm", "method.epochs=1"), tmp_path)
+def test_gen_ood_base_and_calm_end_to_end(tmp_path, compose, gen_ood):
+    cfg = compose(gen_ood("method=calm", "method.epochs=1"), tmp_path)
     metrics = run_experiment(cfg).metrics
     assert metrics["n"] == 4 and 0.0 <= metrics["sem_ece"] <= 1.0
     payload = json.loads((tmp_path / "metrics.json").read_text())
@@ -168,12 +143,10 @@ def test_gen_ood_base_and_calm_end_to_end(tmp_path):
     assert (head["scale"] != 1).any() and (head["bias"] != 0).any()
 
 
-def test_gen_ood_sampling_is_reproducible(tmp_path):
-    cfg = compose_run(gen_ood("method=base", "clusterer=exact"), tmp_path / "a")
+def test_gen_ood_sampling_is_reproducible(tmp_path, compose, gen_ood):
+    cfg = compose(gen_ood("method=base", "clusterer=exact"), tmp_path / "a")
     run_experiment(cfg)
-    cfg = compose_run(
-        gen_ood("method=base", "evaluation.openqa.confidence=split_half"), tmp_path / "b"
-    )
+    cfg = compose(gen_ood("method=base", "evaluation.openqa.confidence=split_half"), tmp_path / "b")
     run_experiment(cfg)
     a = (tmp_path / "a" / "predictions.jsonl").read_text().splitlines()
     b = (tmp_path / "b" / "predictions.jsonl").read_text().splitlines()
@@ -186,8 +159,8 @@ def test_gen_ood_sampling_is_reproducible(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["ls", "reg", "cft", "iterate", "ts"])
-def test_gen_ood_baselines_run(tmp_path, method):
-    cfg = compose_run(gen_ood(f"method={method}", "method.epochs=1"), tmp_path)
+def test_gen_ood_baselines_run(tmp_path, method, compose, gen_ood):
+    cfg = compose(gen_ood(f"method={method}", "method.epochs=1"), tmp_path)
     metrics = run_experiment(cfg).metrics
     assert metrics["n"] == 4 and "sem_ece" in metrics
     payload = json.loads((tmp_path / "metrics.json").read_text())
@@ -195,10 +168,10 @@ def test_gen_ood_baselines_run(tmp_path, method):
 
 
 @pytest.mark.slow
-def test_embedded_model_answers_demo_questions(tmp_path):
+def test_embedded_model_answers_demo_questions(tmp_path, compose):
     """The real embedded model on a few offline open questions: real answers are sampled,
     clustered with MiniLM and graded, and some sampled answers are right."""
-    cfg = compose_run(
+    cfg = compose(
         [
             "method=base",
             "setting=demo_gen_ood",

@@ -17,7 +17,6 @@ from torchmetrics.functional.classification import multiclass_calibration_error
 
 from calm_lightning.data.sources import EmbeddedDemoSource
 from calm_lightning.pipeline import run_experiment
-from tests.conftest import compose_run
 
 TINY_BASE = [
     "model=tiny",
@@ -56,8 +55,8 @@ def _check_run_outputs(run_dir: Path, metrics: dict, n: int) -> None:
     assert json.loads((run_dir / "data_summary.json").read_text())["test"]["n"] == n
 
 
-def test_base_run_on_the_tiny_model(tmp_path, capsys):
-    cfg = compose_run(TINY_BASE, tmp_path)
+def test_base_run_on_the_tiny_model(tmp_path, capsys, compose):
+    cfg = compose(TINY_BASE, tmp_path)
     metrics = run_experiment(cfg).metrics
     _check_run_outputs(tmp_path, metrics, 40)
     rows = _predictions(tmp_path)
@@ -70,7 +69,7 @@ def test_base_run_on_the_tiny_model(tmp_path, capsys):
     assert "conf-ECE" in printed and f"{metrics['conf_ece']:.4f}" in printed
 
 
-def test_calm_run_on_the_tiny_model_reports_base_and_calm(tmp_path, capsys):
+def test_calm_run_on_the_tiny_model_reports_base_and_calm(tmp_path, capsys, compose):
     from calm_lightning.data.collate import MCQACollator
     from calm_lightning.evaluation.mcqa import option_token_candidates, score_options
     from calm_lightning.models.calibrated_lm import CalibratedLM
@@ -85,7 +84,7 @@ def test_calm_run_on_the_tiny_model_reports_base_and_calm(tmp_path, capsys):
         "method.module.inner_steps=2",
         "method.module.upper_lr=0.05",
     ]
-    cfg = compose_run(overrides, tmp_path)
+    cfg = compose(overrides, tmp_path)
     metrics = run_experiment(cfg).metrics
     _check_run_outputs(tmp_path, metrics, 16)
     saved = json.loads((tmp_path / "metrics.json").read_text())
@@ -139,11 +138,11 @@ def test_command_line_rejects_unknown_option_with_choices(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_base_evaluation_on_the_embedded_model(tmp_path):
+def test_demo_base_evaluation_on_the_embedded_model(tmp_path, compose):
     from calm_lightning.data.prompts import mcqa_user_text, render_prompt
     from calm_lightning.models.loading import load_language_model
 
-    cfg = compose_run(["method=base", "trainer.enable_progress_bar=false"], tmp_path)
+    cfg = compose(["method=base", "trainer.enable_progress_bar=false"], tmp_path)
     metrics = run_experiment(cfg).metrics
     records = EmbeddedDemoSource("mcqa", "test").load()
     _check_run_outputs(tmp_path, metrics, len(records))
@@ -165,13 +164,13 @@ def test_demo_base_evaluation_on_the_embedded_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_calm_outer_steps_on_the_embedded_model_raise_heldout_entropy(tmp_path):
+def test_calm_outer_steps_on_the_embedded_model_raise_heldout_entropy(tmp_path, compose):
     """A few outer steps of the demo: held-out entropy (fixed examples) goes up, metrics finite."""
     from calm_lightning.data.datamodule import CalibrationDataModule
     from calm_lightning.models.loading import load_language_model
     from calm_lightning.pipeline import build_method
 
-    cfg = compose_run(
+    cfg = compose(
         [
             "method=calm",
             "trainer.limit_train_batches=3",

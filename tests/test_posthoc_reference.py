@@ -18,7 +18,6 @@ from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.verbalized import parse_answer_letter, parse_confidence
 from calm_lightning.methods.prompting import permutation_average, stated_answer_probs
 from calm_lightning.pipeline import run_experiment
-from tests.conftest import compose_run
 
 K = 4.0
 HUB = Path(__file__).parent / "fixtures" / "hub"
@@ -42,11 +41,11 @@ def _with_cache(tmp_path: Path) -> list[str]:
     return [f"method.module.cache_dir={tmp_path / 'cache'}"]
 
 
-def test_daca_and_dual_align_recover_the_known_temperature(tmp_path):
+def test_daca_and_dual_align_recover_the_known_temperature(tmp_path, compose):
     results = {}
     for method in ("daca", "dual_align"):
         out = tmp_path / method
-        cfg = compose_run(_pair(method, tmp_path, _with_cache(tmp_path)), out)
+        cfg = compose(_pair(method, tmp_path, _with_cache(tmp_path)), out)
         metrics = run_experiment(cfg).metrics
         payload = json.loads((out / "metrics.json").read_text())
         results[method] = payload
@@ -64,11 +63,11 @@ def test_daca_and_dual_align_recover_the_known_temperature(tmp_path):
     assert 0 < results["dual_align"]["posthoc"]["mean_weight"] < 1
 
 
-def test_base_and_posthoc_methods_test_the_same_questions(tmp_path):
+def test_base_and_posthoc_methods_test_the_same_questions(tmp_path, compose):
     ids = {}
     for method in ("base", "ic"):
         out = tmp_path / method
-        run_experiment(compose_run(_pair(method, tmp_path), out))
+        run_experiment(compose(_pair(method, tmp_path), out))
         ids[method] = [json.loads(x)["id"] for x in (out / "predictions.jsonl").open()]
     assert ids["base"] == ids["ic"] and len(ids["base"]) == 84
     pool = EmbeddedDemoSource("mcqa", "test", limit=120)
@@ -76,16 +75,16 @@ def test_base_and_posthoc_methods_test_the_same_questions(tmp_path):
     assert fit.isdisjoint(ids["base"]) and len(fit) + len(ids["base"]) == 120
 
 
-def test_reference_methods_refuse_without_a_reference_model(tmp_path, monkeypatch):
+def test_reference_methods_refuse_without_a_reference_model(tmp_path, monkeypatch, compose):
     import calm_lightning.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "load_language_model", lambda *_: pytest.fail("loaded"))
     overrides = [o for o in _pair("dual_align", tmp_path) if not o.startswith("reference_")]
     with pytest.raises(ConfigError, match="needs reference_model=.*llama31_8b"):
-        run_experiment(compose_run(overrides, tmp_path))
+        run_experiment(compose(overrides, tmp_path))
 
 
-def test_option_token_disagreement_fails_clearly(tmp_path, monkeypatch):
+def test_option_token_disagreement_fails_clearly(tmp_path, monkeypatch, compose):
     import calm_lightning.methods.reference_temperature as reference
     from calm_lightning.evaluation.mcqa import OptionTokens
 
@@ -94,12 +93,12 @@ def test_option_token_disagreement_fails_clearly(tmp_path, monkeypatch):
         "option_token_candidates",
         lambda tok, n: {s: OptionTokens(s, (1, 2, 3, 4), "ABCD") for s in ("bare", "space")},
     )
-    cfg = compose_run(_pair("daca", tmp_path, ["method.module.use_cache=false"]), tmp_path)
+    cfg = compose(_pair("daca", tmp_path, ["method.module.use_cache=false"]), tmp_path)
     with pytest.raises(ConfigError, match="disagree on the option tokens"):
         run_experiment(cfg)
 
 
-def test_dual_align_on_mmlu_fixture_files(tmp_path):
+def test_dual_align_on_mmlu_fixture_files(tmp_path, compose):
     overrides = [
         o for o in _pair("dual_align", tmp_path, _with_cache(tmp_path)) if "setting" not in o
     ]
@@ -110,19 +109,19 @@ def test_dual_align_on_mmlu_fixture_files(tmp_path):
         "setting.test.fit_fraction=0.5",
         "setting.eval_batch_size=4",
     ]
-    metrics = run_experiment(compose_run(overrides, tmp_path)).metrics
+    metrics = run_experiment(compose(overrides, tmp_path)).metrics
     fit = json.loads((tmp_path / "metrics.json").read_text())["posthoc"]
     assert metrics["n"] == 3 and fit["n"] == 3
     assert fit["temperature"] == pytest.approx(K, rel=0.05)
 
 
 @pytest.mark.parametrize("method", ["ic", "cape", "elicitation"])
-def test_confidence_methods_run_end_to_end(tmp_path, method):
+def test_confidence_methods_run_end_to_end(tmp_path, method, compose):
     extra = ["setting.test.source.limit=20"]
     if method == "elicitation":
         extra.append("method.module.max_new_tokens=6")  # a random model never stops early
     overrides = _pair(method, tmp_path, extra)
-    metrics = run_experiment(compose_run(overrides, tmp_path)).metrics
+    metrics = run_experiment(compose(overrides, tmp_path)).metrics
     rows = [json.loads(x) for x in (tmp_path / "predictions.jsonl").open()]
     assert metrics["n"] == len(rows) == 14
     probs = np.array([r["probs"] for r in rows])
@@ -208,15 +207,15 @@ def test_answer_letter_parser(text, expected):
     assert parse_answer_letter(text, "ABCD") == expected
 
 
-def test_ts_oracle_fits_on_the_whole_fit_part(tmp_path):
+def test_ts_oracle_fits_on_the_whole_fit_part(tmp_path, compose):
     overrides = [o for o in _pair("ts", tmp_path) if not o.startswith("reference_")]
-    metrics = run_experiment(compose_run(overrides, tmp_path)).metrics
+    metrics = run_experiment(compose(overrides, tmp_path)).metrics
     fit = json.loads((tmp_path / "metrics.json").read_text())["posthoc"]
     assert fit["n"] == 36 and metrics["n"] == 84  # method_setting/ts_demo_posthoc.yaml
 
 
 @pytest.mark.slow
-def test_dual_align_with_the_embedded_model_as_polm(tmp_path):
+def test_dual_align_with_the_embedded_model_as_polm(tmp_path, compose):
     """Any pair works: the embedded SmolLM2 as PoLM against a 30-layer tiny PLM that shares its
     tokenizer (a structural check; the temperature itself means nothing here)."""
     overrides = [
@@ -230,7 +229,7 @@ def test_dual_align_with_the_embedded_model_as_polm(tmp_path):
         "logger=none",
         *_with_cache(tmp_path),
     ]
-    metrics = run_experiment(compose_run(overrides, tmp_path)).metrics
+    metrics = run_experiment(compose(overrides, tmp_path)).metrics
     payload = json.loads((tmp_path / "metrics.json").read_text())
     fit = payload["posthoc"]
     assert fit["n"] == 12 and fit["n_layers"] == 30 and np.isfinite(fit["temperature"])
@@ -274,10 +273,10 @@ def test_posthoc_sweep_and_report_give_mean_and_std_over_seeds(tmp_path):
     assert len(rows) == 2 and all(row.endswith("| 2 |") for row in rows)
 
 
-def test_posthoc_medmcqa_splits_the_validation_pool_30_70(tmp_path):
+def test_posthoc_medmcqa_splits_the_validation_pool_30_70(tmp_path, compose):
     from hydra.utils import instantiate
 
-    cfg = compose_run(
+    cfg = compose(
         [
             "setting=posthoc_medmcqa",
             f"setting.test.source.sources.medmcqa.files=[{HUB / 'medmcqa.jsonl'}]",

@@ -17,7 +17,6 @@ from calm_lightning.data.mcqa import MCQASource, SourceSpec, read_source
 from calm_lightning.data.openqa import OpenQASource
 from calm_lightning.errors import DataFormatError, DataUnavailableError
 from calm_lightning.pipeline import build_datamodule, run_experiment
-from tests.conftest import compose_run
 
 HUB = Path(__file__).parent / "fixtures" / "hub"
 SIZES = {"train": 4, "calibration": 2, "test": 4, "ood_test": 4}
@@ -162,58 +161,22 @@ def test_open_qa_sources_normalise_aliases_and_split():
 # ----- settings -----
 
 
-def _ood_overrides() -> list[str]:
-    return [
-        "setting=ood",
-        f"setting.train.files=[{HUB / 'alpaca.jsonl'}]",
-        "setting.train.train_size=8",
-        "setting.train.heldout_size=3",
-        "setting.train.test_size=2",
-        *[f"setting.test.sources.{n}.files=[{p}]" for n, p in MCQA_FILES.items()],
-        *[f"setting.test.sizes.{k}={v}" for k, v in SIZES.items()],
-        "setting.batch_size=2",
-        "setting.heldout_batch_size=2",
-        "setting.eval_batch_size=4",
-        "setting.max_length=128",
-    ]
-
-
-def _id_overrides() -> list[str]:
-    return [
-        "setting=id",
-        *[f"setting.train.sources.{n}.files=[{p}]" for n, p in MCQA_FILES.items()],
-        *[f"setting.train.sizes.{k}={v}" for k, v in SIZES.items()],
-        "setting.batch_size=2",
-        "setting.heldout_batch_size=2",
-        "setting.eval_batch_size=4",
-        "setting.max_length=256",
-    ]
-
-
-def _gen_overrides() -> list[str]:
-    return [
-        "setting=gen_ood",
-        f"setting.train.files=[{HUB / 'popqa.jsonl'}]",
-        "setting.train.eval_size=3",
-        "setting.train.heldout_size=3",
-        f"setting.test.files=[{HUB / 'triviaqa.jsonl'}]",
-        "setting.test.eval_size=3",
-        "setting.test.heldout_size=3",
-        "setting.batch_size=2",
-        "setting.heldout_batch_size=2",
-    ]
+# The settings' override lists (`ood_overrides`, `id_overrides`, `gen_overrides`) are fixtures
+# in conftest.py on the same files and sizes; the parameter names the fixture to use.
 
 
 @pytest.mark.parametrize(
     ("overrides", "sizes", "heldout_kind"),
     [
-        (_ood_overrides, (8, 3, 4), "instruction"),
-        (_id_overrides, (4, 2, 4), "mcqa"),
-        (_gen_overrides, (6, 3, None), "openqa"),
+        ("ood_overrides", (8, 3, 4), "instruction"),
+        ("id_overrides", (4, 2, 4), "mcqa"),
+        ("gen_overrides", (6, 3, None), "openqa"),
     ],
 )
-def test_settings_produce_the_expected_loaders(tmp_path, tokenizer, overrides, sizes, heldout_kind):
-    cfg = compose_run(overrides(), tmp_path)
+def test_settings_produce_the_expected_loaders(
+    tmp_path, tokenizer, compose, request, overrides, sizes, heldout_kind
+):
+    cfg = compose(request.getfixturevalue(overrides), tmp_path)
     datamodule = build_datamodule(cfg, tokenizer)
     datamodule.setup("fit")
     assert len(datamodule.records["train"]) == sizes[0]
@@ -230,8 +193,8 @@ def test_settings_produce_the_expected_loaders(tmp_path, tokenizer, overrides, s
     assert not train_ids & {r.id for r in datamodule.records["heldout"]}
 
 
-def test_id_training_target_is_the_answer_letter(tmp_path, tokenizer):
-    cfg = compose_run(_id_overrides(), tmp_path)
+def test_id_training_target_is_the_answer_letter(tmp_path, tokenizer, compose, id_overrides):
+    cfg = compose(id_overrides, tmp_path)
     datamodule = build_datamodule(cfg, tokenizer)
     datamodule.setup("fit")
     batch, _, _ = next(iter(datamodule.train_dataloader()))
@@ -240,10 +203,10 @@ def test_id_training_target_is_the_answer_letter(tmp_path, tokenizer):
     assert target[0] in "ABCD" and target[1:] == "<|im_end|>\n"
 
 
-def test_hub_unavailable_offline_names_dataset_and_remedies(tmp_path, monkeypatch):
+def test_hub_unavailable_offline_names_dataset_and_remedies(tmp_path, monkeypatch, compose):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
-    cfg = compose_run(["setting=ood"], tmp_path)
+    cfg = compose(["setting=ood"], tmp_path)
     source = instantiate(cfg.setting.train)
     with pytest.raises(DataUnavailableError) as err:
         source.load()
@@ -252,10 +215,16 @@ def test_hub_unavailable_offline_names_dataset_and_remedies(tmp_path, monkeypatc
     assert "HF_HOME" in message and "load_dataset" in message
 
 
-@pytest.mark.parametrize("overrides", [_ood_overrides, _id_overrides])
-def test_base_runs_end_to_end_on_local_hub_schema_files(tmp_path, overrides):
-    cfg = compose_run(
-        ["model=tiny", "method=base", "trainer.enable_progress_bar=false", *overrides()], tmp_path
+@pytest.mark.parametrize("overrides", ["ood_overrides", "id_overrides"])
+def test_base_runs_end_to_end_on_local_hub_schema_files(tmp_path, compose, request, overrides):
+    cfg = compose(
+        [
+            "model=tiny",
+            "method=base",
+            "trainer.enable_progress_bar=false",
+            *request.getfixturevalue(overrides),
+        ],
+        tmp_path,
     )
     metrics = run_experiment(cfg).metrics
     assert metrics["n"] == 4

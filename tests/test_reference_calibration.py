@@ -22,7 +22,6 @@ from calm_lightning.calibrators.reference import (
     peak_divergence_layer,
 )
 from calm_lightning.models.logit_lens import lens_option_logits
-from tests.conftest import compose_run
 
 
 def _h(p) -> float:
@@ -137,10 +136,10 @@ def test_layer_divergence_needs_equal_depths():
         layer_divergence(torch.zeros(2, 3, 4), torch.zeros(2, 4, 4))
 
 
-def _tiny(overrides=()):
+def _tiny(compose, overrides=()):
     from calm_lightning.models.loading import load_language_model
 
-    cfg = compose_run(["model=tiny", *overrides, "paths.output_dir=/tmp/unused"])
+    cfg = compose(["model=tiny", *overrides, "paths.output_dir=/tmp/unused"])
     return load_language_model(cfg.model)
 
 
@@ -160,10 +159,10 @@ def test_logit_lens_final_layer_equals_the_models_own_logits(tiny_loaded):
     torch.testing.assert_close(lens[:, -1], own, rtol=1e-5, atol=1e-5)
 
 
-def test_tiny_logit_scale_is_an_exact_temperature(tiny_loaded):
+def test_tiny_logit_scale_is_an_exact_temperature(tiny_loaded, compose):
     from calm_lightning.data.collate import pad_left
 
-    scaled = _tiny(["model.tiny.logit_scale=3.0"]).model
+    scaled = _tiny(compose, ["model.tiny.logit_scale=3.0"]).model
     tokenizer = tiny_loaded.tokenizer
     ids, mask = pad_left([tokenizer("a question")["input_ids"]], tokenizer.pad_token_id)
     options = torch.tensor([1, 2, 3, 4])

@@ -15,7 +15,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from calm_lightning.report import main as report_main
-from calm_lightning.reporting.report import collect_runs, select
+from calm_lightning.reporting.collect import collect_runs
+from calm_lightning.reporting.select import select
 
 
 def _fake_run(
@@ -186,7 +187,7 @@ def test_seeded_posthoc_runs_average_into_one_row_with_all_metrics(tmp_path):
     assert choice.n_seeds == 3 and choice.params == {}
     assert choice.mean["conf_ece"] == pytest.approx(0.04)
     assert choice.std["ace"] == pytest.approx(np.std([0.0, 0.1, 0.2]))
-    from calm_lightning.reporting.report import markdown_tables
+    from calm_lightning.reporting.render import markdown_tables
 
     table = markdown_tables([choice])
     assert "| MCE | ACE | Brier |" in table and "0.0400 ± 0.0163" in table

@@ -11,7 +11,6 @@ import pytest
 
 from calm_lightning.errors import ConfigError
 from calm_lightning.pipeline import run_experiment
-from tests.conftest import compose_run
 
 RUN = [
     "model=tiny",
@@ -42,16 +41,16 @@ def _probs(run_dir) -> np.ndarray:
     return np.array([json.loads(r)["probs"] for r in rows])
 
 
-def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
-    full = run_experiment(compose_run(RUN, tmp_path / "full")).metrics
-    killed = compose_run(
+def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, compose):
+    full = run_experiment(compose(RUN, tmp_path / "full")).metrics
+    killed = compose(
         [*RUN, "+callbacks.kill._target_=tests.test_resume.KillAtSecondEpoch"], tmp_path / "killed"
     )
     with pytest.raises(RuntimeError, match="simulated kill"):
         run_experiment(killed)
     assert (tmp_path / "killed" / "checkpoints" / "last.ckpt").is_file()
     resumed = run_experiment(
-        compose_run([*RUN, f"ckpt_path={tmp_path / 'killed'}"], tmp_path / "resumed")
+        compose([*RUN, f"ckpt_path={tmp_path / 'killed'}"], tmp_path / "resumed")
     ).metrics
     # Parameters, optimizer moments, schedules and batches at the resume point are bit-equal
     # to the uninterrupted run's; BLAS summation order can still differ in the last bits
@@ -63,6 +62,6 @@ def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
     assert not np.allclose(_probs(tmp_path / "full")[:, 0], 0.25)
 
 
-def test_missing_checkpoint_is_a_clear_error(tmp_path):
+def test_missing_checkpoint_is_a_clear_error(tmp_path, compose):
     with pytest.raises(ConfigError, match="no checkpoint at"):
-        run_experiment(compose_run([*RUN, f"ckpt_path={tmp_path / 'nowhere'}"], tmp_path))
+        run_experiment(compose([*RUN, f"ckpt_path={tmp_path / 'nowhere'}"], tmp_path))

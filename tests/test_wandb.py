@@ -9,7 +9,6 @@ import struct
 import pytest
 
 from calm_lightning.pipeline import run_experiment
-from tests.conftest import compose_run
 
 pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
@@ -59,10 +58,10 @@ def _values(records, kind: str) -> dict:
     return out
 
 
-def test_offline_wandb_run_holds_metrics_config_image_and_table(tmp_path, monkeypatch):
+def test_offline_wandb_run_holds_metrics_config_image_and_table(tmp_path, monkeypatch, compose):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = compose_run(
+    cfg = compose(
         [
             "model=tiny",
             "method=base",
@@ -89,12 +88,12 @@ def test_offline_wandb_run_holds_metrics_config_image_and_table(tmp_path, monkey
     assert len(json.loads(table.read_text())["data"]) == 8
 
 
-def test_open_qa_run_publishes_sem_ece_and_the_question_table(tmp_path, monkeypatch):
-    from tests.test_openqa import gen_ood
-
+def test_open_qa_run_publishes_sem_ece_and_the_question_table(
+    tmp_path, monkeypatch, compose, gen_ood
+):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = compose_run(gen_ood("method=base", "clusterer=exact", "logger=wandb"), tmp_path)
+    cfg = compose(gen_ood("method=base", "clusterer=exact", "logger=wandb"), tmp_path)
     metrics = run_experiment(cfg).metrics
     (run_file,) = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     summary = _values(read_wandb_records(run_file), "summary")

@@ -1,1 +1,3 @@
-"""Sweep aggregation: selection rule, paper-style tables, reliability-diagram grids."""
+"""Sweep reports in three steps: `collect` reads run directories into runs with their swept
+hyper-parameters, `select` averages seeds and applies the paper's selection rule, and `render`
+writes the paper-style tables, CSVs and the reliability-diagram grid."""

@@ -1,9 +1,8 @@
-"""Collect finished runs (single runs or multirun sweeps), apply the paper's selection rule and
-write paper-style tables, the chosen hyper-parameters and a reliability-diagram grid.
-
-Selection (paper, Appendix C.3): per model, setting and method, the hyper-parameter setting
-with the lowest conf-ECE among those whose accuracy is above `min_accuracy_ratio` (0.8) times
-the base model's accuracy; seeds of one setting are averaged first (mean ± std).
+"""Step three of a report: write what the selection chose. `markdown_tables` renders one
+paper-style table per (model, setting) with the best value per column in bold; `write_report`
+writes `report.md` (tables, selected hyper-parameters, failed runs), `results.csv` (every run),
+`selected.csv` (every choice, mean and std) and, via `reliability_grid`, one figure of the chosen
+runs' reliability diagrams.
 """
 
 from __future__ import annotations
@@ -11,11 +10,12 @@ from __future__ import annotations
 import csv
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
+
+from calm_lightning.reporting.collect import Run
+from calm_lightning.reporting.select import Choice, calibration_key, select
 
 COLUMNS = (
     ("sem_ece", "Sem-ECE", min),
@@ -27,164 +27,7 @@ COLUMNS = (
     ("accuracy", "Acc.", max),
 )
 RESULT_METRICS = ("accuracy", "sem_ece", "conf_ece", "cw_ece", "mce", "ace", "brier", "nll")
-
-
-def calibration_key(metrics: dict) -> str:
-    """The metric the selection rule minimises: Sem-ECE for open-ended QA, else conf-ECE."""
-    return "sem_ece" if "sem_ece" in metrics else "conf_ece"
-
-
 SELECTED_METRICS = ("accuracy", "sem_ece", "conf_ece", "cw_ece", "mce", "ace", "brier")
-IGNORED_KEYS = ("paths.", "hydra.", "trainer.default_root_dir", "logger.", "callbacks.", "seed")
-
-
-@dataclass
-class Run:
-    path: Path
-    model: str
-    method: str
-    setting: str
-    seed: int
-    config: dict
-    metrics: dict | None = None
-    base: dict | None = None
-    error: str | None = None
-    params: dict = field(default_factory=dict)
-
-
-def _flatten(node, prefix: str = "") -> dict:
-    if isinstance(node, dict):
-        out = {}
-        for key, value in node.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: node if not isinstance(node, list) else tuple(node)}
-
-
-def collect_runs(roots: list[str | Path]) -> list[Run]:
-    """Every run directory below `roots` (a dir holding config_resolved.yaml), finished or not."""
-    runs = []
-    for root in roots:
-        for config_path in sorted(Path(root).rglob("config_resolved.yaml")):
-            run_dir = config_path.parent
-            config = OmegaConf.to_container(OmegaConf.load(config_path))
-            flat = _flatten(config)
-            run = Run(
-                run_dir,
-                flat.get("model.name", "?"),
-                flat.get("method.name", "?"),
-                flat.get("setting.name", "?"),
-                int(flat.get("seed", 0)),
-                flat,
-            )
-            metrics_file, failed_file = run_dir / "metrics.json", run_dir / "failed.json"
-            if metrics_file.is_file():
-                payload = json.loads(metrics_file.read_text())
-                run.metrics = payload["metrics"]
-                run.base = (payload.get("comparison") or {}).get("base")
-            elif failed_file.is_file():
-                run.error = json.loads(failed_file.read_text()).get("error", "failed")
-            else:
-                run.error = "no metrics.json (interrupted or still running)"
-            runs.append(run)
-    _mark_swept_parameters(runs)
-    return runs
-
-
-def _mark_swept_parameters(runs: list[Run]) -> None:
-    """A run's hyper-parameters = the config keys that differ within its (model, setting,
-    method) group, seeds and paths excluded."""
-    groups = defaultdict(list)
-    for run in runs:
-        groups[(run.model, run.setting, run.method)].append(run)
-    for members in groups.values():
-        keys = set().union(*(m.config for m in members))
-        varying = sorted(
-            k
-            for k in keys
-            if not k.startswith(IGNORED_KEYS)
-            and len({repr(m.config.get(k)) for m in members}) > 1
-            and not _follows_seed(k, members)
-        )
-        for member in members:
-            member.params = {k: member.config.get(k) for k in varying}
-
-
-def _follows_seed(key: str, members: list[Run]) -> bool:
-    """Keys interpolated from `${seed}` (a method's or a data split's seed) vary with the seed
-    and are not hyper-parameters: runs that differ only there are seeds of one setting."""
-    return all(m.config.get(key) == m.seed for m in members)
-
-
-@dataclass
-class Choice:
-    model: str
-    setting: str
-    method: str
-    params: dict
-    mean: dict
-    std: dict
-    n_seeds: int
-    runs: list[Run]
-    feasible: bool
-
-
-def _aggregate(runs: list[Run]) -> tuple[dict, dict]:
-    keys = runs[0].metrics.keys()
-    mean = {k: float(np.mean([r.metrics[k] for r in runs])) for k in keys}
-    std = {k: float(np.std([r.metrics[k] for r in runs])) for k in keys}
-    return mean, std
-
-
-def base_accuracy(runs: list[Run], model: str, setting: str) -> float | None:
-    """The base model's accuracy: a `base` run of the same model and setting, else the base
-    row a training run evaluated itself."""
-    finished = [r for r in runs if r.metrics and r.model == model and r.setting == setting]
-    direct = [r.metrics["accuracy"] for r in finished if r.method == "base"]
-    embedded = [r.base["accuracy"] for r in finished if r.base]
-    values = direct or embedded
-    return float(np.mean(values)) if values else None
-
-
-def select(
-    runs: list[Run], min_accuracy_ratio: float = 0.8, metric: str | None = None
-) -> list[Choice]:
-    """One choice per (model, setting, method) by the paper's rule (`metric` None: Sem-ECE
-    for open-ended QA runs, conf-ECE otherwise)."""
-    finished = [r for r in runs if r.metrics]
-    groups = defaultdict(lambda: defaultdict(list))
-    for run in finished:
-        key = json.dumps(run.params, sort_keys=True, default=str)
-        groups[(run.model, run.setting, run.method)][key].append(run)
-    choices = []
-    for (model, setting, method), by_params in sorted(groups.items()):
-        base_acc = base_accuracy(runs, model, setting)
-        options = []
-        for members in by_params.values():
-            mean, std = _aggregate(members)
-            feasible = (
-                base_acc is None
-                or method == "base"
-                or (mean["accuracy"] > min_accuracy_ratio * base_acc)
-            )
-            options.append(
-                Choice(
-                    model,
-                    setting,
-                    method,
-                    members[0].params,
-                    mean,
-                    std,
-                    len(members),
-                    members,
-                    feasible,
-                )
-            )
-        pool = [o for o in options if o.feasible] or options
-        key = metric or calibration_key(pool[0].mean)
-        best = min(pool, key=lambda o: o.mean[key])
-        choices.append(best)
-    return choices
 
 
 def _cell(choice: Choice, key: str, bold: bool) -> str:
