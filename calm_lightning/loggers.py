@@ -57,9 +57,10 @@ def build_loggers(cfg: DictConfig, resume_from: str | None = None) -> list:
     return loggers
 
 
-def publish_to_wandb(loggers: list, cfg: DictConfig, out: Path, rows: dict) -> None:
-    """Final metrics into the run summary, the resolved config (flattened), the reliability
-    diagram as an image and the per-example predictions as a table."""
+def publish_results(loggers: list, cfg: DictConfig, out: Path, rows: dict) -> None:
+    """For each W&B logger: final metrics into the run summary, the resolved config
+    (flattened), the reliability diagram as an image and the per-example predictions as a
+    table. The csv logger needs nothing more (Lightning wrote its rows)."""
     for logger in loggers:
         if type(logger).__name__ != "WandbLogger":
             continue

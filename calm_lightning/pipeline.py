@@ -20,9 +20,8 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.openqa import OpenQAPredictions, write_openqa_results
-from calm_lightning.evaluation.results import format_table, write_mcqa_results
-from calm_lightning.loggers import build_loggers, finish_loggers, publish_to_wandb
+from calm_lightning.evaluation.results import format_table
+from calm_lightning.loggers import build_loggers, finish_loggers, publish_results
 from calm_lightning.method_settings import applied_method_setting, log_method_setting
 from calm_lightning.methods.base import CalibrationMethod
 from calm_lightning.models.loading import LoadedModel, load_language_model
@@ -121,10 +120,7 @@ def evaluate(trainer, module, datamodule, out: Path, cfg: DictConfig, method_nam
         "seed": cfg.seed,
     }
     title = f"{cfg.model.name} / {method_name} / {cfg.setting.name}"
-    if isinstance(module.predictions, OpenQAPredictions):
-        write_openqa_results(out, module.predictions, metrics, meta, title=title)
-    else:
-        write_mcqa_results(out, module.predictions, metrics, meta, title=title)
+    module.predictions.write(out, metrics, meta, title=title)
     return metrics
 
 
@@ -174,7 +170,7 @@ def run_experiment(cfg: DictConfig) -> RunResult:
         record = {"comparison": rows, "timings": stopwatch.seconds, **fitted}
         record["method_setting"] = method_setting
         _add_to_metrics_file(out, record)
-        publish_to_wandb(loggers, cfg, out, rows)
+        publish_results(loggers, cfg, out, rows)
         datamodule.write_summary(out)
         print(
             f"\n{cfg.model.name} / {cfg.setting.name}  (n = {metrics['n']} test questions, "

@@ -160,7 +160,7 @@ def test_gen_ood_sampling_is_reproducible(tmp_path, compose, gen_ood):
 
 @pytest.mark.parametrize("method", ["ls", "reg", "cft", "iterate", "ts"])
 def test_gen_ood_baselines_run(tmp_path, method, compose, gen_ood):
-    cfg = compose(gen_ood(f"method={method}", "method.epochs=1"), tmp_path)
+    cfg = compose(gen_ood(f"method={method}", "trainer.max_epochs=1"), tmp_path)
     metrics = run_experiment(cfg).metrics
     assert metrics["n"] == 4 and "sem_ece" in metrics
     payload = json.loads((tmp_path / "metrics.json").read_text())

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from calm_lightning.report import main as report_main
 from calm_lightning.reporting.collect import collect_runs
-from calm_lightning.reporting.select import select
+from calm_lightning.reporting.selection import select
 
 
 def _fake_run(

@@ -122,6 +122,10 @@ class OpenQAPredictions:
             "n": len(self.rows),
         }
 
+    def write(self, directory, metrics: dict, meta: dict, title: str = "") -> dict[str, Path]:
+        """Result files under `directory` (metrics.json, predictions.jsonl, reliability.png)."""
+        return write_openqa_results(directory, self, metrics, meta, title=title)
+
     def describe(self) -> dict:
         """The sampling / clustering / grading settings, for metrics.json."""
         s = self.settings

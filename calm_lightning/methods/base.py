@@ -29,6 +29,7 @@ from calm_lightning.data.records import OpenQARecord
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.mcqa import OptionTokens, choose_option_tokens, score_options
 from calm_lightning.evaluation.openqa import OpenQAPredictions, OpenQASettings, score_openqa_batch
+from calm_lightning.evaluation.results import write_mcqa_results
 from calm_lightning.metrics.calibration import calibration_report
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
@@ -56,6 +57,10 @@ class MCQAPredictions:
             self.probs, self.labels, n_bins=n_bins, predictions=self.predicted
         )
         return {**metrics, **self.extra}
+
+    def write(self, directory, metrics: dict, meta: dict, title: str = "") -> dict:
+        """Result files under `directory` (metrics.json, predictions.jsonl, reliability.png)."""
+        return write_mcqa_results(directory, self, metrics, meta, title=title)
 
 
 class CalibrationMethod(L.LightningModule):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from calm_lightning.reporting.collect import Run
-from calm_lightning.reporting.select import Choice, calibration_key, select
+from calm_lightning.reporting.selection import Choice, calibration_key, select
 
 COLUMNS = (
     ("sem_ece", "Sem-ECE", min),
