@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Dual-Align paper, Table 6: label-free post-hoc calibration of a post-trained model (PoLM)
+# against its pre-trained sibling (PLM) on MedMCQA (validation split), three seeds.
+set -euo pipefail
+
+TABLE="Dual-Align paper, Table 6 (post-hoc calibrators vs the PoLM on MedMCQA, validation split)"
+DESCRIPTION="Per model, into one folder, then one report over it:
+  +sweep=posthoc_reference  method in {base, ts, daca, dual_align, ic, cape, elicitation}
+                            x seed in {0, 1, 2} (21 jobs; each seed its own 30 % fit /
+                            70 % test split; ts is the supervised oracle)
+with setting=posthoc_medmcqa and reference_model= the PLM whose pairs_with is the model
+(conf/reference_model/; pass reference_model=... to choose another). The report averages
+the seeds (mean +- std of ECE, MCE, ACE, Brier, accuracy)."
+DEFAULT_MODELS=llama31_8b_instruct,qwen25_14b_instruct,gemma3_27b_it
+SMOKE_ARGS="model.tiny.logit_scale=4 setting=demo_posthoc setting.test.source.limit=40"
+
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+parse_args "$@"
+
+for model in "${MODELS[@]}"; do
+    reference=$(reference_for "$model") || has_extra reference_model ||
+        die "no conf/reference_model/*.yaml pairs with model=$model: pass reference_model=..."
+    run_grid "$model" posthoc_reference setting=posthoc_medmcqa \
+        ${reference:+"reference_model=$reference"}
+done
+write_report
