@@ -167,9 +167,15 @@ def run_experiment(cfg: DictConfig) -> RunResult:
             metrics = evaluate(trainer, module, datamodule, out, cfg, cfg.method.name)
         rows[cfg.method.name] = metrics
         # write
-        record = {"comparison": rows, "timings": stopwatch.seconds, **fitted}
-        record["method_setting"] = method_setting
-        _add_to_metrics_file(out, record)
+        _add_to_metrics_file(
+            out,
+            {
+                "comparison": rows,
+                "timings": stopwatch.seconds,
+                **fitted,
+                "method_setting": method_setting,
+            },
+        )
         publish_results(loggers, cfg, out, rows)
         datamodule.write_summary(out)
         print(
