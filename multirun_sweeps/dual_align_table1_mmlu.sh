@@ -17,10 +17,5 @@ SMOKE_ARGS="model.tiny.logit_scale=4 setting=demo_posthoc setting.test.source.li
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 parse_args "$@"
 
-for model in "${MODELS[@]}"; do
-    reference=$(reference_for "$model") || has_extra reference_model ||
-        die "no conf/reference_model/*.yaml pairs with model=$model: pass reference_model=..."
-    run_grid "$model" posthoc_reference setting=posthoc_mmlu \
-        ${reference:+"reference_model=$reference"}
-done
+run_posthoc_reference posthoc_mmlu
 write_report

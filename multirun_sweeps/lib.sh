@@ -155,3 +155,16 @@ reference_for() {
     done
     return 1
 }
+
+# run_posthoc_reference SETTING: the Dual-Align paper's comparison for every model: the
+# posthoc_reference grid on SETTING, with the PLM whose `pairs_with` names the model (unless the
+# user passes reference_model=...).
+run_posthoc_reference() {
+    local setting=$1 model reference
+    for model in "${MODELS[@]}"; do
+        reference=$(reference_for "$model") || has_extra reference_model ||
+            die "no conf/reference_model/*.yaml pairs with model=$model: pass reference_model=..."
+        run_grid "$model" posthoc_reference "setting=$setting" \
+            ${reference:+"reference_model=$reference"}
+    done
+}

@@ -38,9 +38,15 @@ def _bash(*args, timeout: int = 60) -> subprocess.CompletedProcess:
     )
 
 
+# lib.sh helpers that run one grid for every model.
+GRID_HELPERS = {"run_posthoc_reference": "posthoc_reference"}
+
+
 def _grids_run(script: Path) -> set[str]:
-    """The +sweep= grids a script passes to run_grid."""
-    return set(re.findall(r"run_grid\s+\S+\s+(\w+)", script.read_text()))
+    """The +sweep= grids a script passes to run_grid (directly or through a lib.sh helper)."""
+    text = script.read_text()
+    grids = set(re.findall(r"run_grid\s+\S+\s+(\w+)", text))
+    return grids | {grid for helper, grid in GRID_HELPERS.items() if f"{helper} " in text}
 
 
 def _paper_table(script: Path) -> str:
