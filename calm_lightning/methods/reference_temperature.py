@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from calm_lightning.calibrators.reference import (
+    WEIGHTS,
     agreement_mask,
     daca_loss,
     dual_align_loss,
@@ -277,6 +278,7 @@ class DualAlign(ReferenceTemperature):
         model,
         tokenizer=None,
         min_layer: int = 2,
+        weight: str = "peak_jump",
         ise_tempered: str = "all",
         confidence_term: bool = True,
         process_term: bool = True,
@@ -285,12 +287,15 @@ class DualAlign(ReferenceTemperature):
         super().__init__(model, tokenizer, **kwargs)
         if not (confidence_term or process_term):
             raise ConfigError("dual_align needs confidence_term or process_term (or both)")
+        if weight not in WEIGHTS:
+            raise ConfigError(f"weight={weight!r} is not one of {', '.join(WEIGHTS)}")
         self.min_layer = int(min_layer)
+        self.weight = weight
         self.ise_tempered = ise_tempered
         self.components = (bool(confidence_term), bool(process_term))
 
     def objective(self, polm, plm):
-        targets = dual_align_targets(plm, polm, self.min_layer)
+        targets = dual_align_targets(plm, polm, self.min_layer, self.weight)
 
         def loss_fn(index, temperature):
             part = replace(
@@ -309,6 +314,7 @@ class DualAlign(ReferenceTemperature):
             "mean_ise_plm": float(targets.plm_ise.mean()),
             "mean_ise_polm_at_t1": float(ise_f.mean()),
             "min_layer": self.min_layer,
+            "weight": self.weight,
             "ise_tempered": self.ise_tempered,
             "components": list(self.components),
         }
