@@ -163,3 +163,31 @@ def test_sweep_objective_penalises_lost_accuracy(tmp_path, compose):
     assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.45}, base) == pytest.approx(0.1)
     assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.39}, base) == pytest.approx(1.1)
     assert sweep_objective(cfg, {"sem_ece": 0.2, "accuracy": 0.1}, {}) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("setting", ["posthoc_mmlu", "posthoc_medmcqa", "demo_posthoc"])
+def test_posthoc_settings_load_both_models_unquantized(setting, tmp_path, compose):
+    """The paper compares unquantized models: the post-hoc settings override the model group's
+    `quantization: auto` (4-bit on CUDA); the PLM configs are unquantized already; a 4-bit
+    PoLM asked for on the command line survives."""
+    pair = ["model=llama31_8b_instruct", "reference_model=llama31_8b", f"setting={setting}"]
+    for method in ("daca", "dual_align", "base"):
+        cfg = compose([*pair, f"method={method}"], tmp_path)
+        assert cfg.model.quantization == "none" and cfg.reference_model.quantization == "none"
+        assert cfg.model.dtype == "auto"  # bf16 on CUDA, fp32 on CPU
+        if method != "base":  # what the method loads and keys its lens cache with
+            module = cfg.method.module
+            assert module.model_config.quantization == "none"
+            assert module.reference_model.quantization == "none"
+    chosen = compose([*pair, "method=daca", "model.quantization=nf4"], tmp_path)
+    assert (
+        chosen.model.quantization == "nf4"
+        and chosen.method.module.model_config.quantization == "nf4"
+    )
+    plm_4bit = compose([*pair, "method=daca", "reference_model.quantization=nf4"], tmp_path)
+    assert plm_4bit.method.module.reference_model.quantization == "nf4"
+    # Other settings keep the model group's default (the CALM paper trains in QLoRA).
+    other = compose(["model=llama31_8b_instruct", "setting=ood"], tmp_path)
+    assert other.model.quantization == "auto"
+    # Without a reference model the node stays empty, so DACA / Dual-Align still refuse.
+    assert not compose([f"setting={setting}", "method=daca"], tmp_path).reference_model

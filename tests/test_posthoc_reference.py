@@ -115,6 +115,19 @@ def test_dual_align_on_mmlu_fixture_files(tmp_path, compose):
     assert fit["temperature"] == pytest.approx(K, rel=0.05)
 
 
+def test_a_quantized_polm_warns_that_numbers_are_not_comparable(tiny_loaded, caplog):
+    from dataclasses import replace
+
+    from calm_lightning.methods.reference_temperature import DualAlign
+
+    with caplog.at_level("WARNING"):
+        DualAlign.build_model(replace(tiny_loaded, quantized=False), {"method": "none"})
+    assert "not comparable" not in caplog.text
+    with caplog.at_level("WARNING"):
+        DualAlign.build_model(replace(tiny_loaded, quantized=True), {"method": "none"})
+    assert "PoLM" in caplog.text and "model.quantization=none" in caplog.text
+
+
 @pytest.mark.parametrize("method", ["ic", "cape", "elicitation"])
 def test_confidence_methods_run_end_to_end(tmp_path, method, compose):
     extra = ["setting.test.source.limit=20"]

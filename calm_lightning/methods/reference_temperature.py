@@ -40,6 +40,11 @@ from calm_lightning.models.logit_lens import lens_option_logits
 log = logging.getLogger(__name__)
 
 LENS_CACHE_VERSION = 1
+NOT_COMPARABLE = (
+    "%s: the %s (%s) is loaded in 4-bit nf4. The Dual-Align paper compares unquantized models, "
+    "so these numbers are not comparable with its tables (%s.quantization=none loads it at "
+    "its dtype)."
+)
 
 
 class ReferenceTemperature(PosthocTemperature):
@@ -148,10 +153,18 @@ class ReferenceTemperature(PosthocTemperature):
         self.model.eval()
         self._rows: dict[str, list] = {"ids": [], "polm": [], "plm": []}
 
+    @classmethod
+    def build_model(cls, loaded, peft: dict, head: dict | None = None):
+        if loaded.quantized:
+            log.warning(NOT_COMPARABLE, cls.__name__, "PoLM", loaded.name, "model")
+        return super().build_model(loaded, peft, head)
+
     def _load_reference(self, n_options: int):
         from calm_lightning.models.loading import load_language_model
 
         loaded = load_language_model(self.reference_cfg)
+        if loaded.quantized:
+            log.warning(NOT_COMPARABLE, type(self).__name__, "PLM", loaded.name, "reference_model")
         candidates = option_token_candidates(loaded.tokenizer, n_options)
         theirs = candidates.get(self.option_tokens.style)
         if theirs is None or theirs.ids != self.option_tokens.ids:
@@ -162,7 +175,9 @@ class ReferenceTemperature(PosthocTemperature):
                 f"are {list(theirs.ids) if theirs else 'not single tokens'}. Pair models of one "
                 "family (same tokenizer)."
             )
-        loaded.model.to(self.device).eval()
+        if not loaded.quantized:  # 4-bit weights are placed on the GPU when loaded
+            loaded.model.to(self.device)
+        loaded.model.eval()
         return loaded
 
     @torch.no_grad()
