@@ -95,6 +95,7 @@ _ORDER = [
     "cape",
     "ic",
     "daca",
+    "daca_repo",
     "dual_align",
 ]
 
