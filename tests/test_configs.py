@@ -163,3 +163,61 @@ def test_sweep_objective_penalises_lost_accuracy(tmp_path, compose):
     assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.45}, base) == pytest.approx(0.1)
     assert sweep_objective(cfg, {"conf_ece": 0.1, "accuracy": 0.39}, base) == pytest.approx(1.1)
     assert sweep_objective(cfg, {"sem_ece": 0.2, "accuracy": 0.1}, {}) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("setting", ["posthoc_mmlu", "posthoc_medmcqa", "demo_posthoc"])
+def test_posthoc_settings_load_both_models_unquantized(setting, tmp_path, compose):
+    """The paper compares unquantized models: the post-hoc settings override the model group's
+    `quantization: auto` (4-bit on CUDA); the PLM configs are unquantized already; a 4-bit
+    PoLM asked for on the command line survives."""
+    pair = ["model=llama31_8b_instruct", "reference_model=llama31_8b", f"setting={setting}"]
+    for method in ("daca", "dual_align", "base"):
+        cfg = compose([*pair, f"method={method}"], tmp_path)
+        assert cfg.model.quantization == "none" and cfg.reference_model.quantization == "none"
+        assert cfg.model.dtype == "auto"  # bf16 on CUDA, fp32 on CPU
+        if method != "base":  # what the method loads and keys its lens cache with
+            module = cfg.method.module
+            assert module.model_config.quantization == "none"
+            assert module.reference_model.quantization == "none"
+    chosen = compose([*pair, "method=daca", "model.quantization=nf4"], tmp_path)
+    assert (
+        chosen.model.quantization == "nf4"
+        and chosen.method.module.model_config.quantization == "nf4"
+    )
+    plm_4bit = compose([*pair, "method=daca", "reference_model.quantization=nf4"], tmp_path)
+    assert plm_4bit.method.module.reference_model.quantization == "nf4"
+    # Other settings keep the model group's default (the CALM paper trains in QLoRA).
+    other = compose(["model=llama31_8b_instruct", "setting=ood"], tmp_path)
+    assert other.model.quantization == "auto"
+    # Without a reference model the node stays empty, so DACA / Dual-Align still refuse.
+    assert not compose([f"setting={setting}", "method=daca"], tmp_path).reference_model
+
+
+def test_posthoc_reference_sweep_loads_unquantized_and_fits_daca_as_the_paper(tmp_path):
+    from hydra import compose, initialize_config_module
+
+    overrides = [
+        "+sweep=posthoc_reference",
+        "model=qwen25_7b_instruct",
+        f"paths.output_dir={tmp_path}",
+    ]
+    with initialize_config_module("calm_lightning.conf", version_base="1.3"):
+        cfg = compose("run", overrides=[*overrides, "setting=posthoc_medmcqa", "method=daca"])
+        explicit = compose("run", overrides=[*overrides, "model.quantization=nf4"])
+        swept = compose("run", overrides=overrides, return_hydra_config=True)
+    assert cfg.model.quantization == "none" and explicit.model.quantization == "nf4"
+    assert "daca" in swept.hydra.sweeper.params.method.split(",")
+    # method=daca is fitted as the paper's Appendix A.3 (every method: Adam 0.05 / 300 / 128);
+    # method=daca_repo keeps DACA's repository settings (0.1 / 400 / 256).
+    module = cfg.method.module
+    assert (module.lr, module.epochs, module.batch_size) == (0.05, 300, 128)
+
+
+def test_daca_repo_keeps_dacas_own_fit_settings(tmp_path, compose):
+    paper = compose(["method=daca", "setting=demo_posthoc"], tmp_path).method
+    repo = compose(["method=daca_repo", "setting=demo_posthoc"], tmp_path).method
+    assert repo.name == "daca_repo" and repo.module._target_ == paper.module._target_
+    assert (repo.module.lr, repo.module.epochs, repo.module.batch_size) == (0.1, 400, 256)
+    assert (paper.module.lr, paper.module.epochs, paper.module.batch_size) == (0.05, 300, 128)
+    differ = {k for k in paper.module if paper.module[k] != repo.module[k]}
+    assert differ == {"lr", "epochs", "batch_size"}

@@ -11,6 +11,7 @@ import torch
 from calm_lightning.metrics.calibration import (
     accuracy,
     adaptive_calibration_error,
+    average_calibration_error,
     bin_indices,
     brier_score,
     calibration_report,
@@ -73,6 +74,21 @@ def test_hand_three_classes_brier_nll_ace():
     assert ace == pytest.approx(1.4 / 6)
 
 
+def test_hand_three_classes_average_calibration_error():
+    # netcal's "ACE": top-label bins as for conf-ECE, but each non-empty bin weighs the same.
+    # bin 0 {0.4}: gap 0.6; bin 1 {0.7, 0.6, 0.8}: gap 1/30 -> (0.6 + 1/30) / 2 = 0.31667,
+    # against conf-ECE 0.175 (weights 1/4, 3/4) and the adaptive ACE 1.4 / 6 = 0.2333.
+    assert average_calibration_error(HAND3_PROBS, HAND3_LABELS, n_bins=2) == pytest.approx(
+        (0.6 + 1 / 30) / 2
+    )
+    # One example per bin: the unweighted and weighted means coincide (the case below).
+    probs = np.array([[0.95, 0.05], [0.85, 0.15], [0.25, 0.75], [0.65, 0.35]])
+    assert average_calibration_error(probs, np.array([0, 1, 1, 0])) == pytest.approx(0.375)
+    # Empty bins do not count: 9 of the 10 bins are empty here.
+    probs = np.array([[0.92, 0.08], [0.96, 0.04], [0.94, 0.06]])
+    assert average_calibration_error(probs, np.array([0, 1, 0])) == pytest.approx(abs(2 / 3 - 0.94))
+
+
 def test_hand_two_classes_ten_bins():
     # Every value sits mid-bin, so each example has a bin of its own in both views.
     #   conf .95 correct (gap .05), .85 wrong (.85), .75 correct (.25), .65 correct (.35)
@@ -97,6 +113,7 @@ def test_report_keys_values_and_torch_input():
         "cw_ece",
         "mce",
         "ace",
+        "avg_ce",
         "brier",
         "nll",
         "mean_confidence",
@@ -107,6 +124,7 @@ def test_report_keys_values_and_torch_input():
     assert report["conf_ece"] == pytest.approx(0.175)
     assert report["cw_ece"] == pytest.approx(0.25)
     assert report["ace"] == pytest.approx(1.4 / 6)
+    assert report["avg_ce"] == pytest.approx((0.6 + 1 / 30) / 2)
     # Torch tensors give the same numbers as numpy input.
     as_torch = calibration_report(
         torch.tensor(HAND3_PROBS, dtype=torch.float32), torch.tensor(HAND3_LABELS), n_bins=2
@@ -230,6 +248,40 @@ def _loop_classwise_ece(probs: np.ndarray, labels: np.ndarray, n_bins: int) -> f
             freq = sum(1.0 for i in members if labels[i] == j) / len(members)
             total += len(members) / n * abs(freq - mean_p)
     return total / k
+
+
+def _loop_average_calibration_error(conf: np.ndarray, correct: np.ndarray, n_bins: int) -> float:
+    """netcal's average calibration error re-derived: equal-width bins [b/n, (b+1)/n) (the last
+    one closed), |accuracy - mean confidence| per non-empty bin, averaged without weights."""
+    gaps = []
+    for b in range(n_bins):
+        lo, hi = b / n_bins, (b + 1) / n_bins
+        members = [i for i, c in enumerate(conf) if lo <= c < hi or (b == n_bins - 1 and c == 1.0)]
+        if members:
+            acc = sum(1.0 for i in members if correct[i]) / len(members)
+            mean_conf = sum(float(conf[i]) for i in members) / len(members)
+            gaps.append(abs(acc - mean_conf))
+    return sum(gaps) / len(gaps)
+
+
+@pytest.mark.parametrize(("seed", "k", "n_bins"), [(3, 2, 10), (4, 4, 10), (5, 5, 15), (6, 3, 7)])
+def test_average_calibration_error_matches_loop(seed, k, n_bins):
+    probs, labels = _random_case(seed, k, n=300)
+    top = probs.argmax(axis=1)
+    conf, correct = probs.max(axis=1), top == labels
+    expected = _loop_average_calibration_error(conf, correct, n_bins)
+    assert average_calibration_error(probs, labels, n_bins) == pytest.approx(expected, abs=1e-12)
+    report = calibration_report(probs, labels, n_bins=n_bins)
+    assert report["avg_ce"] == pytest.approx(expected, abs=1e-12)
+    # With a stated answer (IC, elicitation) it reads that answer's probability, like conf-ECE.
+    stated = (top + 1) % k
+    conf_s, correct_s = probs[np.arange(len(labels)), stated], stated == labels
+    with_stated = calibration_report(probs, labels, n_bins=n_bins, predictions=stated)
+    assert with_stated["avg_ce"] == pytest.approx(
+        _loop_average_calibration_error(conf_s, correct_s, n_bins), abs=1e-12
+    )
+    # Unweighted over bins, so it differs from conf-ECE whenever bin sizes differ.
+    assert report["avg_ce"] != pytest.approx(report["conf_ece"], abs=1e-6)
 
 
 @pytest.mark.parametrize(("seed", "k", "n_bins"), [(3, 2, 10), (4, 4, 10), (5, 5, 15), (6, 3, 7)])

@@ -1,6 +1,7 @@
 """The Dual-Align paper's post-hoc family end to end on a tiny PLM / PoLM pair (PoLM = the PLM
-with every logit multiplied by 4, so the right temperature is 4), plus the CAPE, IC and
-elicitation pieces checked against hand computations."""
+with every logit multiplied by 4, so the right temperature is 4 when both read the same input:
+`reference_prompt=chat`), plus the CAPE, IC and elicitation pieces checked against hand
+computations."""
 
 from __future__ import annotations
 
@@ -41,11 +42,15 @@ def _with_cache(tmp_path: Path) -> list[str]:
     return [f"method.module.cache_dir={tmp_path / 'cache'}"]
 
 
+# The PLM reads the PoLM's own prompt text: only then is the scaled PoLM exactly 4 x the PLM.
+SAME_INPUT = "method.module.reference_prompt=chat"
+
+
 def test_daca_and_dual_align_recover_the_known_temperature(tmp_path, compose):
     results = {}
     for method in ("daca", "dual_align"):
         out = tmp_path / method
-        cfg = compose(_pair(method, tmp_path, _with_cache(tmp_path)), out)
+        cfg = compose(_pair(method, tmp_path, [*_with_cache(tmp_path), SAME_INPUT]), out)
         metrics = run_experiment(cfg).metrics
         payload = json.loads((out / "metrics.json").read_text())
         results[method] = payload
@@ -100,7 +105,9 @@ def test_option_token_disagreement_fails_clearly(tmp_path, monkeypatch, compose)
 
 def test_dual_align_on_mmlu_fixture_files(tmp_path, compose):
     overrides = [
-        o for o in _pair("dual_align", tmp_path, _with_cache(tmp_path)) if "setting" not in o
+        o
+        for o in _pair("dual_align", tmp_path, [*_with_cache(tmp_path), SAME_INPUT])
+        if "setting" not in o
     ]
     overrides += [
         "setting=posthoc_mmlu",
@@ -113,6 +120,79 @@ def test_dual_align_on_mmlu_fixture_files(tmp_path, compose):
     fit = json.loads((tmp_path / "metrics.json").read_text())["posthoc"]
     assert metrics["n"] == 3 and fit["n"] == 3
     assert fit["temperature"] == pytest.approx(K, rel=0.05)
+
+
+def _record_plm_inputs(monkeypatch, quantized: bool = False) -> list[list[int]]:
+    """Every token-id row the PLM reads in the lens pass (padding removed); optionally the PLM
+    is reported as loaded in 4-bit."""
+    import calm_lightning.methods.reference_temperature as reference
+    import calm_lightning.models.loading as loading
+
+    seen, plm = [], []
+    load, lens = loading.load_language_model, reference.lens_option_logits
+
+    def load_plm(cfg):
+        loaded = load(cfg)
+        loaded.quantized = quantized
+        plm.append(loaded.model)
+        return loaded
+
+    def recording_lens(lm, input_ids, attention_mask, *args):
+        if plm and lm is plm[-1]:
+            rows = zip(input_ids, attention_mask, strict=True)
+            seen.extend(row[mask.bool()].tolist() for row, mask in rows)
+        return lens(lm, input_ids, attention_mask, *args)
+
+    monkeypatch.setattr(loading, "load_language_model", load_plm)
+    monkeypatch.setattr(reference, "lens_option_logits", recording_lens)
+    return seen
+
+
+def test_reference_prompt_decides_what_the_plm_reads(
+    tmp_path, monkeypatch, compose, caplog, tokenizer
+):
+    from calm_lightning.data.prompts import mcqa_user_text, render_prompt
+
+    seen = _record_plm_inputs(monkeypatch, quantized=True)
+    limit = ["setting.test.source.limit=20", *_with_cache(tmp_path)]
+    pool = EmbeddedDemoSource("mcqa", "test", limit=20)
+    fit = FitTestSplit(pool, "fit", 0.3, seed=0).load()
+    statuses, inputs = {}, {}
+    for prompt in ("chat", "plain"):
+        seen.clear()
+        overrides = _pair("daca", tmp_path, [*limit, f"method.module.reference_prompt={prompt}"])
+        with caplog.at_level("WARNING"):
+            run_experiment(compose(overrides, tmp_path / prompt))
+        payload = json.loads((tmp_path / prompt / "metrics.json").read_text())
+        statuses[prompt] = payload["posthoc"]["lens_cache"]
+        assert payload["posthoc"]["reference_prompt"] == prompt
+        inputs[prompt] = list(seen)
+    tok = tokenizer  # the tiny PLM's (and PoLM's) tokenizer
+    # chat: the PoLM's rendered template, re-tokenized without added special tokens.
+    chat = [
+        tok(render_prompt(tok, mcqa_user_text(r)), add_special_tokens=False)["input_ids"]
+        for r in fit
+    ]
+    # plain: no template, the question block then "Answer:", with the PLM's own special tokens.
+    plain = [tok(f"{mcqa_user_text(r)}\nAnswer:")["input_ids"] for r in fit]
+    assert inputs["chat"] == chat and inputs["plain"] == plain and chat != plain
+    assert not any("<|im_start|>" in tok.decode(ids) for ids in plain)
+    # The prompt is part of the lens cache key: the second run cannot reuse the first's pass.
+    assert statuses == {"chat": "miss", "plain": "miss"}
+    assert "not comparable" in caplog.text and "reference_model.quantization=none" in caplog.text
+
+
+def test_a_quantized_polm_warns_that_numbers_are_not_comparable(tiny_loaded, caplog):
+    from dataclasses import replace
+
+    from calm_lightning.methods.reference_temperature import DualAlign
+
+    with caplog.at_level("WARNING"):
+        DualAlign.build_model(replace(tiny_loaded, quantized=False), {"method": "none"})
+    assert "not comparable" not in caplog.text
+    with caplog.at_level("WARNING"):
+        DualAlign.build_model(replace(tiny_loaded, quantized=True), {"method": "none"})
+    assert "PoLM" in caplog.text and "model.quantization=none" in caplog.text
 
 
 @pytest.mark.parametrize("method", ["ic", "cape", "elicitation"])
@@ -268,7 +348,7 @@ def test_posthoc_sweep_and_report_give_mean_and_std_over_seeds(tmp_path):
     assert len(jobs) == 4
     assert report_main([str(tmp_path / "sweep")]) == 0
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
-    assert "| MCE | ACE | Brier |" in report
+    assert "| MCE | ACE | AvgCE | Brier |" in report
     rows = [line for line in report.splitlines() if line.startswith(("| base", "| daca"))]
     assert len(rows) == 2 and all(row.endswith("| 2 |") for row in rows)
 

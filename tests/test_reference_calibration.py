@@ -13,6 +13,7 @@ from scipy.spatial.distance import jensenshannon
 from calm_lightning.calibrators.reference import (
     agreement_mask,
     daca_loss,
+    divergence_weight,
     dual_align_loss,
     dual_align_targets,
     fit_temperature_adam,
@@ -72,7 +73,54 @@ def test_daca_loss_divides_by_the_whole_batch():
     assert daca_loss(polm, p_g, mask, t).item() == pytest.approx(expected)
 
 
-def test_dual_align_loss_by_hand():
+# Lens logits over two options whose softmax is (1, 0), (0, 1) or (1/2, 1/2) to within e^-60.
+_A, _B, _U = [60.0, 0.0], [0.0, 60.0], [0.0, 0.0]
+
+
+def test_divergence_weight_by_hand():
+    # JSD((1, 0) || (1/2, 1/2)) = H((3/4, 1/4)) - (H((1, 0)) + H((1/2, 1/2))) / 2
+    a = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25)) - math.log(2) / 2  # ~0.2158
+    b = math.log(2)  # JSD((1, 0) || (0, 1)), the maximum
+    plm = torch.tensor(
+        [
+            [_U, _A, _A],  # d = [0, b, a]: jumps b, b - a -> l* = 2nd layer (index 1)
+            [_A, _A, _A],  # d = [a, b, a]: jumps b - a twice -> the earlier, index 1
+            [_A, _U, _U],  # d = [b, 0, 0]: a fall of b, then 0 -> index 1
+            [_U, _U, _A],  # d = [0, 0, b]: jumps 0, b -> index 2
+        ],
+        dtype=torch.float64,
+    )
+    polm = torch.tensor(
+        [[_U, _B, _U], [_U, _B, _U], [_B, _U, _U], [_U, _U, _B]], dtype=torch.float64
+    )
+    d = layer_divergence(plm, polm)
+    expected_d = [[0, b, a], [a, b, a], [b, 0, 0], [0, 0, b]]
+    torch.testing.assert_close(d, torch.tensor(expected_d, dtype=torch.float64))
+    peak = peak_divergence_layer(d)
+    assert peak.tolist() == [1, 1, 1, 2]
+    ln2 = math.log(2)
+    expected = {
+        "peak_jump": [b / ln2, (b - a) / ln2, b / ln2, b / ln2],  # |d_l* - d_(l*-1)| / ln 2
+        "peak": [b / ln2, b / ln2, 0.0, b / ln2],  # d_l* / ln 2
+        "final": [a / ln2, a / ln2, 0.0, b / ln2],  # d_L / ln 2
+    }
+    for weight, values in expected.items():
+        got = divergence_weight(d, peak, weight)
+        torch.testing.assert_close(
+            got, torch.tensor(values, dtype=torch.float64), atol=1e-12, rtol=0
+        )
+        assert dual_align_targets(plm, polm, weight=weight).weight.tolist() == got.tolist()
+    # The default is the jump; one layer has no jump before it, so it is taken from 0.
+    default = dual_align_targets(plm, polm).weight
+    torch.testing.assert_close(default, torch.tensor(expected["peak_jump"], dtype=torch.float64))
+    one = divergence_weight(d[:, 2:], torch.zeros(4, dtype=torch.long))
+    torch.testing.assert_close(one, torch.tensor([a, a, 0, b], dtype=torch.float64) / ln2)
+    with pytest.raises(ValueError, match="weight='mean'"):
+        divergence_weight(d, peak, "mean")
+
+
+@pytest.mark.parametrize("weight", ["peak_jump", "peak", "final"])
+def test_dual_align_loss_by_hand(weight):
     # Two samples, three layers, two options.
     plm = torch.tensor(
         [[[0.0, 0.0], [1.0, 0.0], [2.0, 0.0]], [[0.0, 1.0], [0.0, 0.5], [1.0, 0.0]]],
@@ -82,7 +130,7 @@ def test_dual_align_loss_by_hand():
         [[[0.0, 0.0], [3.0, 0.0], [5.0, 0.0]], [[0.0, 2.0], [1.0, 0.0], [0.0, 3.0]]],
         dtype=torch.float64,
     )
-    targets = dual_align_targets(plm, polm)
+    targets = dual_align_targets(plm, polm, weight=weight)
     t = 1.7
     total = 0.0
     for i in range(2):
@@ -91,7 +139,11 @@ def test_dual_align_loss_by_hand():
         d = [jensenshannon(pg[j], pf[j]) ** 2 for j in range(3)]
         peak = 1 if abs(d[1] - d[0]) >= abs(d[2] - d[1]) else 2
         assert targets.peak_layer[i].item() == peak
-        w = d[2] / math.log(2)
+        w = {
+            "peak_jump": abs(d[peak] - d[peak - 1]),
+            "peak": d[peak],
+            "final": d[2],
+        }[weight] / math.log(2)
         pft = [torch.softmax(polm[i, j] / t, -1).numpy() for j in range(3)]
         kl = float((pg[2] * (np.log(pg[2]) - np.log(pft[2]))).sum())
         ise_g = _h(np.mean(pg[peak:], axis=0))

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 PARAMETERISATIONS = ("log", "direct")
 ISE_TEMPERED = ("all", "final")
+# Dual-Align's per-sample mixing weight w, each a divergence in [0, ln 2] divided by ln 2:
+# peak_jump = |d_l* - d_(l*-1)| (the paper's Delta D_JS^l*, the default), peak = d_l*, final = d_L.
+WEIGHTS = ("peak_jump", "peak", "final")
 _EPS = 1e-12
 
 
@@ -66,6 +69,30 @@ def peak_divergence_layer(divergence: torch.Tensor, min_layer: int = 2) -> torch
     return jumps[..., first:].argmax(-1) + first + 1
 
 
+def divergence_weight(
+    divergence: torch.Tensor, peak: torch.Tensor, weight: str = "peak_jump"
+) -> torch.Tensor:
+    """Dual-Align's mixing weight w in [0, 1] from the per-layer JSD d (N, L) and l* (N,).
+
+    `peak_jump`: |d_l* - d_(l*-1)| / ln 2, the divergence jump that selected l* (the paper's
+    Delta D_JS^l*(x)); with l* = 0 (a single layer) the jump is taken from 0, i.e. d_0.
+    `peak`: d_l* / ln 2. `final`: d_L / ln 2. Every d lies in [0, ln 2], so each quantity does
+    too and dividing by ln 2 maps it onto [0, 1] with no data-dependent scale; the clamp only
+    absorbs rounding.
+    """
+    if weight not in WEIGHTS:
+        raise ValueError(f"weight={weight!r} is not one of {WEIGHTS}")
+    rows = torch.arange(divergence.shape[0], device=divergence.device)
+    if weight == "final":
+        value = divergence[:, -1]
+    elif weight == "peak":
+        value = divergence[rows, peak]
+    else:
+        before = torch.where(peak > 0, divergence[rows, (peak - 1).clamp_min(0)], 0.0)
+        value = (divergence[rows, peak] - before).abs()
+    return (value / math.log(2)).clamp(0.0, 1.0)
+
+
 def inferential_stability_entropy(probs: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """ISE(x) = H(mean_{l >= l*(x)} p^l(x)): probs (N, L, K), start (N,) 0-based -> (N,)."""
     layers = torch.arange(probs.shape[1], device=probs.device)
@@ -96,11 +123,14 @@ class DualAlignTargets:
     plm_final_probs: torch.Tensor  # (N, K)
     plm_ise: torch.Tensor  # (N,)
     peak_layer: torch.Tensor  # (N,) 0-based
-    weight: torch.Tensor  # (N,) w = d_L / ln 2 in [0, 1]
+    weight: torch.Tensor  # (N,) w in [0, 1] (`divergence_weight`)
 
 
 def dual_align_targets(
-    plm_logits: torch.Tensor, polm_logits: torch.Tensor, min_layer: int = 2
+    plm_logits: torch.Tensor,
+    polm_logits: torch.Tensor,
+    min_layer: int = 2,
+    weight: str = "peak_jump",
 ) -> DualAlignTargets:
     """Per-sample PLM references, peak divergence layer and divergence weight."""
     divergence = layer_divergence(plm_logits, polm_logits)
@@ -110,7 +140,7 @@ def dual_align_targets(
         plm_final_probs=plm_probs[:, -1],
         plm_ise=inferential_stability_entropy(plm_probs, peak),
         peak_layer=peak,
-        weight=(divergence[:, -1] / math.log(2)).clamp(0.0, 1.0),
+        weight=divergence_weight(divergence, peak, weight),
     )
 
 

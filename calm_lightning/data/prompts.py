@@ -62,6 +62,12 @@ def mcqa_user_text(record: MCQARecord) -> str:
     return f"{record.question}\n\n{options}\n\n{MCQA_INSTRUCTION.format(letters=listed)}"
 
 
+def mcqa_plain_prompt(record: MCQARecord) -> str:
+    """The MCQA prompt without any chat template, ending where the answer letter goes: what a
+    pre-trained (base) model reads as the post-hoc reference (`reference_prompt: plain`)."""
+    return f"{mcqa_user_text(record)}\nAnswer:"
+
+
 def openqa_user_text(record: OpenQARecord) -> str:
     """A short-answer prompt; the format is the same for training and evaluation."""
     return f"{OPENQA_INSTRUCTION}\n\nQuestion: {record.question}"

@@ -3,6 +3,12 @@ protocol): `DACA` and `DualAlign` fit one temperature for the post-trained model
 setting's fit split (labels unused) from the logit lens of both models (one forward each, cached
 per dataset); T is installed as the scalar head d = 1/T. The losses and the Adam fit are pure
 functions in `calm_lightning.calibrators.reference`; docs/posthoc.md has every choice.
+
+The PoLM always reads its own chat-templated prompt (the one it is evaluated on, so T is fitted
+on the logits it will divide). The PLM reads `reference_prompt`: `plain` (default) the question,
+options and instruction followed by "Answer:" with no chat template, in its own tokenization with
+its own special tokens, as DACA's public code feeds the models; `chat` the PoLM's rendered
+prompt text re-tokenized by the PLM.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from calm_lightning.calibrators.reference import (
+    WEIGHTS,
     agreement_mask,
     daca_loss,
     dual_align_loss,
@@ -26,7 +33,7 @@ from calm_lightning.calibrators.reference import (
     inferential_stability_entropy,
 )
 from calm_lightning.data.collate import pad_left
-from calm_lightning.data.prompts import mcqa_user_text, render_prompt
+from calm_lightning.data.prompts import mcqa_plain_prompt, mcqa_user_text, render_prompt
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.mcqa import (
     OptionTokens,
@@ -38,7 +45,13 @@ from calm_lightning.models.logit_lens import lens_option_logits
 
 log = logging.getLogger(__name__)
 
-LENS_CACHE_VERSION = 1
+LENS_CACHE_VERSION = 2  # 2: the PLM's prompt (`reference_prompt`) is part of the key
+REFERENCE_PROMPTS = ("plain", "chat")
+NOT_COMPARABLE = (
+    "%s: the %s (%s) is loaded in 4-bit nf4. The Dual-Align paper compares unquantized models, "
+    "so these numbers are not comparable with its tables (%s.quantization=none loads it at "
+    "its dtype)."
+)
 
 
 class ReferenceTemperature(PosthocTemperature):
@@ -61,12 +74,17 @@ class ReferenceTemperature(PosthocTemperature):
         init_temperature: float = 1.0,
         parameterisation: str = "log",
         with_embeddings: bool = False,
+        reference_prompt: str = "plain",
         seed: int = 0,
         **evaluation,
     ) -> None:
         super().__init__(model, tokenizer, **evaluation)
         if not reference_model:
             raise ConfigError(f"{type(self).__name__} needs reference_model=<PLM>")
+        if reference_prompt not in REFERENCE_PROMPTS:
+            raise ConfigError(
+                f"reference_prompt={reference_prompt!r} is not one of {REFERENCE_PROMPTS}"
+            )
         if model.head is None or model.head.kind != "scalar":
             raise ConfigError(f"{type(self).__name__} needs a scalar head (build_model makes one)")
         self.reference_cfg = dict(reference_model)
@@ -90,6 +108,7 @@ class ReferenceTemperature(PosthocTemperature):
             "seed": int(seed),
         }
         self.with_embeddings = bool(with_embeddings)
+        self.reference_prompt = reference_prompt
         self._reference = None
         self._lens: dict | None = None
         self.fit_info: dict = {}
@@ -109,6 +128,7 @@ class ReferenceTemperature(PosthocTemperature):
             "option_tokens": self.option_token_style,
             "probe_size": self.probe_size,
             "with_embeddings": self.with_embeddings,
+            "reference_prompt": self.reference_prompt,
             "max_length": max_length,
         }
         digest.update(json.dumps(header, sort_keys=True, default=str).encode())
@@ -147,10 +167,18 @@ class ReferenceTemperature(PosthocTemperature):
         self.model.eval()
         self._rows: dict[str, list] = {"ids": [], "polm": [], "plm": []}
 
+    @classmethod
+    def build_model(cls, loaded, peft: dict, head: dict | None = None):
+        if loaded.quantized:
+            log.warning(NOT_COMPARABLE, cls.__name__, "PoLM", loaded.name, "model")
+        return super().build_model(loaded, peft, head)
+
     def _load_reference(self, n_options: int):
         from calm_lightning.models.loading import load_language_model
 
         loaded = load_language_model(self.reference_cfg)
+        if loaded.quantized:
+            log.warning(NOT_COMPARABLE, type(self).__name__, "PLM", loaded.name, "reference_model")
         candidates = option_token_candidates(loaded.tokenizer, n_options)
         theirs = candidates.get(self.option_tokens.style)
         if theirs is None or theirs.ids != self.option_tokens.ids:
@@ -161,8 +189,28 @@ class ReferenceTemperature(PosthocTemperature):
                 f"are {list(theirs.ids) if theirs else 'not single tokens'}. Pair models of one "
                 "family (same tokenizer)."
             )
-        loaded.model.to(self.device).eval()
+        if not loaded.quantized:  # 4-bit weights are placed on the GPU when loaded
+            loaded.model.to(self.device)
+        loaded.model.eval()
         return loaded
+
+    def _reference_ids(self, record) -> list[int]:
+        """The PLM's token ids for one fit question (`reference_prompt`), cut from the left to
+        the evaluation length."""
+        tok = self._reference.tokenizer
+        if self.reference_prompt == "chat":
+            # The PoLM's rendered template carries its special tokens already (as in
+            # MCQACollator); the PLM re-tokenizes that text.
+            text = render_prompt(self.tokenizer, mcqa_user_text(record))
+            return tok(text, add_special_tokens=False)["input_ids"][-self._max_length :]
+        # No template: the PLM's tokenizer adds its own special tokens (BOS where it uses one),
+        # which are kept when a long prompt is cut.
+        text = mcqa_plain_prompt(record)
+        ids = tok(text)["input_ids"]
+        if len(ids) > self._max_length:
+            added = len(ids) - len(tok(text, add_special_tokens=False)["input_ids"])
+            ids = ids[:added] + ids[added - self._max_length :]
+        return ids
 
     @torch.no_grad()
     def predict_step(self, batch: dict, batch_idx: int) -> None:
@@ -180,15 +228,8 @@ class ReferenceTemperature(PosthocTemperature):
             options,
             self.with_embeddings,
         )
-        # The PLM reads the same prompt text (the PoLM's template), in its own tokenization.
-        plm_tok = self._reference.tokenizer
-        rows = []
-        for example_id in batch["ids"]:
-            text = render_prompt(self.tokenizer, mcqa_user_text(self._records[example_id]))
-            # The rendered template carries its special tokens already (as in MCQACollator).
-            encoded = plm_tok(text, add_special_tokens=False)["input_ids"]
-            rows.append(encoded[-self._max_length :])
-        ids, mask = pad_left(rows, plm_tok.pad_token_id)
+        rows = [self._reference_ids(self._records[example_id]) for example_id in batch["ids"]]
+        ids, mask = pad_left(rows, self._reference.tokenizer.pad_token_id)
         plm = lens_option_logits(
             self._reference.model,
             ids.to(self.device),
@@ -245,6 +286,7 @@ class ReferenceTemperature(PosthocTemperature):
             "loss_after": fit.loss_after,
             "steps": fit.steps,
             "lens_cache": self._cache_status,
+            "reference_prompt": self.reference_prompt,
             **info,
             **{f"fit_{k}": v for k, v in self.fit_options.items()},
         }
@@ -277,6 +319,7 @@ class DualAlign(ReferenceTemperature):
         model,
         tokenizer=None,
         min_layer: int = 2,
+        weight: str = "peak_jump",
         ise_tempered: str = "all",
         confidence_term: bool = True,
         process_term: bool = True,
@@ -285,12 +328,15 @@ class DualAlign(ReferenceTemperature):
         super().__init__(model, tokenizer, **kwargs)
         if not (confidence_term or process_term):
             raise ConfigError("dual_align needs confidence_term or process_term (or both)")
+        if weight not in WEIGHTS:
+            raise ConfigError(f"weight={weight!r} is not one of {', '.join(WEIGHTS)}")
         self.min_layer = int(min_layer)
+        self.weight = weight
         self.ise_tempered = ise_tempered
         self.components = (bool(confidence_term), bool(process_term))
 
     def objective(self, polm, plm):
-        targets = dual_align_targets(plm, polm, self.min_layer)
+        targets = dual_align_targets(plm, polm, self.min_layer, self.weight)
 
         def loss_fn(index, temperature):
             part = replace(
@@ -309,6 +355,7 @@ class DualAlign(ReferenceTemperature):
             "mean_ise_plm": float(targets.plm_ise.mean()),
             "mean_ise_polm_at_t1": float(ise_f.mean()),
             "min_layer": self.min_layer,
+            "weight": self.weight,
             "ise_tempered": self.ise_tempered,
             "components": list(self.components),
         }

@@ -6,8 +6,9 @@ float64 numpy.
 
 Why hand-written rather than torchmetrics:
 
-* Class-wise ECE (Kull et al. 2019) and adaptive calibration error (Nixon et al. 2019) are not in
-  torchmetrics, and every metric in a report must share one binning rule, so they all live here.
+* Class-wise ECE (Kull et al. 2019), adaptive calibration error (Nixon et al. 2019) and netcal's
+  average calibration error are not in torchmetrics, and every metric in a report must share one
+  binning rule, so they all live here.
 * torchmetrics bins with ``bucketize(conf, linspace(0, 1, n_bins + 1), right=True) - 1``, which
   sends a confidence of exactly 1.0 to a hidden (n_bins + 1)-th bin instead of the last bin
   [0.9, 1.0]. Fine-tuned LLMs do emit saturated probabilities, so the two can disagree; here a
@@ -28,6 +29,7 @@ __all__ = [
     "ReliabilityBins",
     "accuracy",
     "adaptive_calibration_error",
+    "average_calibration_error",
     "bin_indices",
     "brier_score",
     "calibration_report",
@@ -153,6 +155,10 @@ class ReliabilityBins:
         """Largest gap over the non-empty bins: the MCE of these bins."""
         return float(np.max(self.gaps()[self.counts > 0]))
 
+    def mean_gap(self) -> float:
+        """Unweighted mean gap over the non-empty bins: netcal's average calibration error."""
+        return float(np.mean(self.gaps()[self.counts > 0]))
+
 
 def reliability_bins(confidences: Any, correct: Any, n_bins: int = 10) -> ReliabilityBins:
     """Bin ``confidences`` into equal-width bins and average them and ``correct`` per bin."""
@@ -265,6 +271,18 @@ def adaptive_calibration_error(probs: Any, labels: Any, n_ranges: int = 10) -> f
     return _ace(p, y, n_ranges)
 
 
+def average_calibration_error(probs: Any, labels: Any, n_bins: int = 10) -> float:
+    """Average calibration error, netcal's `ACE` (the metric DACA's code reports as ACE).
+
+    Top-label, the same equal-width bins as conf-ECE, but every non-empty bin counts once
+    whatever its size: (1 / |B+|) sum_{b in B+} |acc_b - conf_b| over the non-empty bins B+.
+    Not to be confused with `adaptive_calibration_error` (Nixon et al.), the report's `ace`.
+    """
+    p, y = validate_inputs(probs, labels)
+    conf, hit = _top_label(p, y)
+    return reliability_bins(conf, hit, n_bins).mean_gap()
+
+
 def brier_score(probs: Any, labels: Any) -> float:
     """Multiclass Brier score: mean over examples of sum_k (p_k - onehot_k)^2."""
     p, y = validate_inputs(probs, labels)
@@ -288,8 +306,10 @@ def calibration_report(
 ) -> dict[str, float]:
     """All metrics at once; ``n_bins`` is also the number of ACE ranges, ``n`` is an int.
 
-    ``predictions`` (N,) overrides the argmax as the answer for accuracy, conf-ECE and MCE
-    (methods whose confidence belongs to a stated answer); the other metrics read ``probs``.
+    ``ace`` is the adaptive calibration error (Nixon et al.), ``avg_ce`` netcal's average
+    calibration error. ``predictions`` (N,) overrides the argmax as the answer for accuracy,
+    conf-ECE, MCE and ``avg_ce`` (methods whose confidence belongs to a stated answer); the other
+    metrics read ``probs``.
     """
     p, y = validate_inputs(probs, labels)
     conf, hit = _top_label(p, y, _validate_predictions(predictions, p))
@@ -300,6 +320,7 @@ def calibration_report(
         "cw_ece": float(np.mean([b.expected_gap() for b in _classwise_bins(p, y, n_bins)])),
         "mce": top.max_gap(),
         "ace": _ace(p, y, n_bins),
+        "avg_ce": top.mean_gap(),
         "brier": float(np.mean(_brier_rows(p, y))),
         "nll": _nll(p, y, _NLL_EPS),
         "mean_confidence": float(np.mean(conf)),

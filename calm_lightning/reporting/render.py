@@ -23,11 +23,23 @@ COLUMNS = (
     ("cw_ece", "cw-ECE", min),
     ("mce", "MCE", min),
     ("ace", "ACE", min),
+    ("avg_ce", "AvgCE", min),
     ("brier", "Brier", min),
     ("accuracy", "Acc.", max),
 )
-RESULT_METRICS = ("accuracy", "sem_ece", "conf_ece", "cw_ece", "mce", "ace", "brier", "nll")
-SELECTED_METRICS = ("accuracy", "sem_ece", "conf_ece", "cw_ece", "mce", "ace", "brier")
+# `ace` is the adaptive calibration error (Nixon et al.), `avg_ce` netcal's average one.
+RESULT_METRICS = (
+    "accuracy",
+    "sem_ece",
+    "conf_ece",
+    "cw_ece",
+    "mce",
+    "ace",
+    "avg_ce",
+    "brier",
+    "nll",
+)
+SELECTED_METRICS = ("accuracy", "sem_ece", "conf_ece", "cw_ece", "mce", "ace", "avg_ce", "brier")
 
 
 def _cell(choice: Choice, key: str, bold: bool) -> str:
@@ -83,6 +95,7 @@ _ORDER = [
     "cape",
     "ic",
     "daca",
+    "daca_repo",
     "dual_align",
 ]
 
