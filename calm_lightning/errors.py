@@ -27,3 +27,7 @@ class DataUnavailableError(CalmLightningError):
 
 class MissingDependencyError(CalmLightningError):
     """An optional package a configured feature needs is not installed."""
+
+
+class ExportError(CalmLightningError):
+    """A run cannot be exported as asked (no such run, nothing to export, output exists)."""

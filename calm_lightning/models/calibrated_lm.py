@@ -89,7 +89,9 @@ class CalibratedLM(nn.Module):
         """Save only what training changed: the adapter (if any) and the head (if any)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        saved = {"adapter": False, "head": False}
+        # What the base was loaded as: the export merges the adapter into a copy of the base
+        # at this precision (a 16-bit copy when training saw a 4-bit QLoRA base).
+        saved = {"adapter": False, "head": False, **self.base_precision()}
         if hasattr(self.lm, "peft_config"):
             self.lm.save_pretrained(directory / ADAPTER_DIR)
             saved["adapter"] = True
@@ -98,6 +100,19 @@ class CalibratedLM(nn.Module):
             saved["head"] = True
         (directory / "calibrated_lm.json").write_text(json.dumps(saved))
         return directory
+
+    def base_precision(self) -> dict:
+        """The base model's dtype name and whether it was loaded in 4-bit (QLoRA)."""
+        base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        dtype = getattr(base.config, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            # Built in code (the tiny model) the config names no dtype; the output layer has
+            # the dtype the model computes in (4-bit loads keep it unquantized).
+            dtype = self.lm.get_output_embeddings().weight.dtype
+        return {
+            "base_dtype": str(dtype).removeprefix("torch."),
+            "base_4bit": bool(getattr(base, "is_loaded_in_4bit", False)),
+        }
 
     @classmethod
     def load(cls, base_lm: nn.Module, directory: str | Path) -> CalibratedLM:

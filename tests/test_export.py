@@ -1,0 +1,469 @@
+"""Exporting a run's calibrated model (`python -m calm_lightning.export`) and using it: a short
+CALM run of the tiny model is exported merged and unmerged, then scored in a fresh process with
+plain transformers + the logits processor, and compared with the run's own predictions."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from calm_lightning.data.sources import EmbeddedDemoSource
+from calm_lightning.errors import ExportError
+from calm_lightning.export import export_run, main, parse_arguments
+from calm_lightning.pipeline import run_experiment
+
+ROOT = Path(__file__).resolve().parents[1]
+N_TEST = 8
+TINY_CALM = [
+    "model=tiny",
+    "method=calm",
+    "setting=demo",
+    f"setting.test.limit={N_TEST}",
+    "peft.r=4",
+    "trainer.limit_train_batches=2",
+    "trainer.enable_progress_bar=false",
+    "logger=none",
+    "method.module.inner_steps=1",
+    "method.module.lower_lr=0.01",  # adapters that move the option scores measurably
+    "method.module.upper_lr=0.5",  # and a head that does too
+]
+# Plain prompts: the random tiny model tends to repeat a prompt's last token, which after a
+# chat template's final newline would end the answer at once.
+GENERATION_PROMPTS = ["Question: what is two plus two? Answer:", "The primary colours are"]
+
+# Runs in a fresh interpreter with the repository on PYTHONPATH: plain transformers (and peft
+# for the merge=false folder) plus the logits processor, the prompt built from calibration.json.
+PLAIN_SCORING = r"""
+import json, sys
+import calm_lightning
+cheap = "torch" not in sys.modules  # `import calm_lightning` imports nothing heavy
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from calm_lightning import CalibrationLogitsProcessor
+
+questions = json.load(open(sys.argv[1]))
+result = {"cheap_import": cheap}
+for folder in sys.argv[2:]:
+    info = json.load(open(f"{folder}/calibration.json"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    if info["weights"]["adapter"] == "adapter":
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, f"{folder}/adapter").eval()
+    processor = CalibrationLogitsProcessor.from_pretrained(folder)
+    prompt, tokens = info["prompt"], info["option_tokens"]
+    letters = tokens["letters"]
+    rows = []
+    for q in questions:
+        options = "\n".join(f"{a}. {text}" for a, text in zip(letters, q["choices"]))
+        listed = ", ".join(letters[:-1]) + " or " + letters[-1]
+        user = prompt["user_text"].format(question=q["question"], options=options, letters=listed)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(text, add_special_tokens=prompt["add_special_tokens"], return_tensors="pt")
+        with torch.no_grad():
+            scores = model(**ids).logits[:, -1]
+        calibrated = processor(ids["input_ids"], scores)[0, tokens["ids"]]
+        rows.append(calibrated.double().softmax(-1).tolist())
+    result[folder] = rows
+result["lightning_or_hydra"] = sorted(m for m in ("lightning", "hydra") if m in sys.modules)
+print(json.dumps(result))
+"""
+
+
+def _env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _predictions(run_dir: Path) -> np.ndarray:
+    lines = (run_dir / "predictions.jsonl").read_text().splitlines()
+    return np.array([json.loads(line)["probs"] for line in lines])
+
+
+@pytest.fixture(scope="module")
+def calm_run(tmp_path_factory, compose) -> Path:
+    run_dir = tmp_path_factory.mktemp("calm_run")
+    run_experiment(compose(TINY_CALM, run_dir))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def exported(calm_run, tmp_path_factory) -> dict[str, Path]:
+    """The CALM run exported merged (the default) and with merge=false."""
+    root = tmp_path_factory.mktemp("exports")
+    return {
+        "merged": export_run(calm_run, root / "merged"),
+        "unmerged": export_run(calm_run, root / "unmerged", merge=False),
+    }
+
+
+def test_exported_folder_scores_like_the_run_with_plain_transformers(calm_run, exported, tmp_path):
+    records = EmbeddedDemoSource("mcqa", "test", limit=N_TEST).load()
+    questions = tmp_path / "questions.json"
+    questions.write_text(
+        json.dumps([{"question": r.question, "choices": list(r.choices)} for r in records])
+    )
+    folders = [str(exported["merged"]), str(exported["unmerged"])]
+    done = subprocess.run(
+        [sys.executable, "-c", PLAIN_SCORING, str(questions), *folders],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["cheap_import"] and result["lightning_or_hydra"] == []
+    expected = _predictions(calm_run)
+    for folder in folders:
+        np.testing.assert_allclose(np.array(result[folder]), expected, atol=1e-5)
+    # The comparison has teeth: calibration moved these numbers well beyond the tolerance.
+    assert np.abs(_predictions(calm_run / "base") - expected).max() > 1e-3
+
+
+def test_the_folder_layout_and_calibration_json(calm_run, exported):
+    merged, unmerged = exported["merged"], exported["unmerged"]
+    names = {p.name for p in merged.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "calibration.json",
+        "logit_adjustment.safetensors",
+        "README.md",
+        "reliability.png",
+        "reliability_base.png",
+    } <= names
+    assert "adapter" not in names and not (merged / "adapter_config.json").exists()
+    assert not [p for p in merged.parent.iterdir() if p.name.startswith(".")]  # no leftovers
+    info = json.loads((merged / "calibration.json").read_text())
+    run_metrics = json.loads((calm_run / "metrics.json").read_text())
+    assert info["formula"] == "z' = d * (z - c) + l"
+    assert info["head"]["kind"] == "vector" and info["terms"]["c"] == "c = 0"
+    assert info["option_tokens"] == run_metrics["option_tokens"]
+    assert info["method"]["name"] == "calm" and info["weights"]["adapter"] == "merged"
+    assert info["weights"]["dtype"] == "float32" and not info["weights"]["trained_on_4bit_base"]
+    # The run recorded the base precision the export follows.
+    record = json.loads((calm_run / "calibration" / "calibrated_lm.json").read_text())
+    assert record["base_dtype"] == "float32" and record["base_4bit"] is False
+    # merge=false: the untouched base at the root, the run's adapter beside it.
+    assert json.loads((unmerged / "calibration.json").read_text())["weights"]["adapter"] == (
+        "adapter"
+    )
+    from safetensors.torch import load_file
+
+    merged_weights, base_weights = (load_file(f / "model.safetensors") for f in (merged, unmerged))
+    assert merged_weights.keys() == base_weights.keys()
+    name = next(k for k in merged_weights if k.endswith("q_proj.weight"))
+    assert not torch.allclose(merged_weights[name], base_weights[name], atol=1e-4)
+    adapter = unmerged / "adapter"
+    assert (adapter / "adapter_model.safetensors").read_bytes() == (
+        calm_run / "calibration" / "adapter" / "adapter_model.safetensors"
+    ).read_bytes()
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] is (
+        None  # the tiny model has no Hub id
+    )
+
+
+def test_the_model_card(calm_run, exported):
+    text = (exported["merged"] / "README.md").read_text()
+    _, front, body = text.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    assert meta["library_name"] == "transformers" and "calm" in meta["tags"]
+    assert "base_model" not in meta  # the tiny model has none on the Hub
+    comparison = json.loads((calm_run / "metrics.json").read_text())["comparison"]
+    for name in ("base", "calm"):
+        row = next(line for line in body.splitlines() if line.startswith(f"| {name} |"))
+        assert f"{comparison[name]['conf_ece']:.4f}" in row
+        assert f"{comparison[name]['nll']:.4f}" in row
+    assert "](reliability.png)" in body and "](reliability_base.png)" in body
+    assert "demo_mcqa_test" in body and f"| {N_TEST} |" in body  # data_summary.json
+    assert "upper_lr: 0.5" in body and "r: 4" in body  # the method and peft blocks
+    unmerged = (exported["unmerged"] / "README.md").read_text()
+    assert 'PeftModel.from_pretrained(model, f"{folder}/adapter")' in unmerged
+
+
+def test_load_calibrated_scores_like_the_run(calm_run, exported):
+    from calm_lightning import load_calibrated
+
+    records = EmbeddedDemoSource("mcqa", "test", limit=N_TEST).load()
+    expected = _predictions(calm_run)
+    for folder in exported.values():
+        calibrated = load_calibrated(folder, device="cpu")
+        probs = [calibrated.option_probabilities(r.question, list(r.choices)) for r in records]
+        np.testing.assert_allclose(np.array(probs), expected, atol=1e-5)
+
+
+def test_greedy_generation_with_the_processor_equals_the_project_sampler(calm_run, exported):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList, pipeline
+
+    from calm_lightning import CalibrationLogitsProcessor, load_calibrated
+    from calm_lightning.evaluation.sampling import sample_answers
+    from calm_lightning.models.calibrated_lm import CalibratedLM
+    from calm_lightning.models.loading import load_language_model
+
+    cfg = OmegaConf.load(calm_run / "config_resolved.yaml")
+    fresh = load_language_model(cfg.model)
+    project = CalibratedLM.load(fresh.model, calm_run / "calibration").eval()
+    options = {"n": 1, "max_new_tokens": 8, "temperature": 0, "stop_on_newline": False}
+    expected = sample_answers(project, fresh.tokenizer, GENERATION_PROMPTS, **options)
+
+    folder = exported["merged"]
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processors = LogitsProcessorList([CalibrationLogitsProcessor.from_pretrained(folder)])
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    calibrated = load_calibrated(folder, device="cpu")
+    changed = []
+    for prompt, answers in zip(GENERATION_PROMPTS, expected, strict=True):
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(
+                **ids, do_sample=False, max_new_tokens=8, logits_processor=processors
+            )
+            uncalibrated = model.generate(**ids, do_sample=False, max_new_tokens=8)
+        changed.append(not torch.equal(out, uncalibrated))
+        new = out[0, ids["input_ids"].shape[1] :].tolist()
+        if tokenizer.eos_token_id in new:
+            new = new[: new.index(tokenizer.eos_token_id)]
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        assert answers == [text.strip()] and text.strip()
+        # The text-generation pipeline and load_calibrated's generate pass it on the same way.
+        piped = generator(
+            prompt,
+            logits_processor=processors,
+            do_sample=False,
+            max_new_tokens=8,
+            return_full_text=False,
+        )
+        assert piped[0]["generated_text"].strip() == text.strip()
+        answer = calibrated.generate(prompt, chat=False, do_sample=False, max_new_tokens=8)
+        assert answer.strip() == text.strip()
+    assert any(changed)  # the head changes what greedy decoding picks
+
+
+def test_temperature_only_export_divides_the_base_logits_by_t(tmp_path, compose):
+    from transformers import AutoModelForCausalLM
+
+    from calm_lightning import CalibrationLogitsProcessor, load_calibrated
+    from calm_lightning.models.loading import load_language_model
+
+    run_dir = tmp_path / "ts_run"
+    overrides = [
+        "model=tiny",
+        "model.tiny.logit_scale=3.0",  # an overconfident model: T clearly away from 1
+        "method=ts",
+        "setting=demo_posthoc",
+        "setting.test.source.limit=40",
+        "trainer.enable_progress_bar=false",
+        "logger=none",
+    ]
+    cfg = compose(overrides, run_dir)
+    run_experiment(cfg)
+    folder = export_run(run_dir, tmp_path / "ts_export")
+    temperature = json.loads((run_dir / "metrics.json").read_text())["posthoc"]["temperature"]
+    info = json.loads((folder / "calibration.json").read_text())
+    assert info["head"]["kind"] == "scalar" and info["weights"]["adapter"] is None
+    assert info["head"]["temperature"] == pytest.approx(temperature, rel=1e-6)
+    assert info["method"]["fitted"]["temperature"] == temperature
+    assert abs(temperature - 1.0) > 0.1
+    processor = CalibrationLogitsProcessor.from_pretrained(folder)
+    assert processor.temperature == pytest.approx(temperature, rel=1e-6)
+    # The exported weights are the base model's: same logits; the processor divides by T.
+    base = load_language_model(cfg.model).model
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([[5, 17, 300, 41, 9]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, -1]
+        torch.testing.assert_close(logits, base(input_ids=ids).logits[:, -1])
+    torch.testing.assert_close(processor(ids, logits), logits / temperature, rtol=1e-6, atol=1e-5)
+    # And the run's predictions come back through load_calibrated.
+    records_ids = [json.loads(line)["id"] for line in (run_dir / "predictions.jsonl").open()]
+    from hydra.utils import instantiate
+
+    by_id = {r.id: r for r in instantiate(cfg.setting.test).load()}
+    calibrated = load_calibrated(folder, device="cpu")
+    probs = [
+        calibrated.option_probabilities(by_id[i].question, list(by_id[i].choices))
+        for i in records_ids[:6]
+    ]
+    np.testing.assert_allclose(np.array(probs), _predictions(run_dir)[:6], atol=1e-5)
+
+
+def test_adapter_only_method_exports_without_head_and_in_another_dtype(calm_run, tmp_path, compose):
+    """reg / ls / cft train adapters only: no head file, an identity processor. Built from
+    the CALM run's files (its adapter, no head) under a reg config, without training again."""
+    from safetensors.torch import load_file
+
+    from calm_lightning import CalibrationLogitsProcessor
+
+    run_dir = _saved_config(compose, tmp_path, ["method=reg"])
+    shutil.copytree(
+        calm_run / "calibration",
+        run_dir / "calibration",
+        ignore=shutil.ignore_patterns("logit_adjustment.safetensors"),
+    )
+    shutil.copyfile(calm_run / "metrics.json", run_dir / "metrics.json")
+    folder = export_run(run_dir, tmp_path / "out", dtype="bfloat16")
+    info = json.loads((folder / "calibration.json").read_text())
+    assert info["head"] is None and info["formula"].startswith("z' = z")
+    assert info["weights"] == {
+        "adapter": "merged",
+        "dtype": "bfloat16",
+        "trained_on_4bit_base": False,
+    }
+    assert not (folder / "logit_adjustment.safetensors").exists()
+    processor = CalibrationLogitsProcessor.from_pretrained(folder)
+    scores = torch.randn(2, 7)
+    assert processor(None, scores) is scores and processor.temperature is None
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    weights = load_file(folder / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
+def test_processor_keeps_masked_tokens_masked():
+    from calm_lightning import CalibrationLogitsProcessor
+    from calm_lightning.models.logit_adjustment import LogitAdjustment
+
+    head = LogitAdjustment(6, kind="vector", center="mean")
+    with torch.no_grad():
+        head.scale.copy_(torch.linspace(0.5, 1.5, 6))
+        head.bias.copy_(torch.linspace(-1, 1, 6))
+    processor = CalibrationLogitsProcessor(head)
+    scores = torch.tensor([[1.0, 2.0, -float("inf"), 0.5, 3.0, -1.0]])
+    out = processor(torch.zeros(1, 1, dtype=torch.long), scores)
+    allowed = torch.tensor([0, 1, 3, 4, 5])
+    z = scores[0, allowed]
+    expected = head.scale[allowed] * (z - z.mean()) + head.bias[allowed]
+    torch.testing.assert_close(out[0, allowed], expected.detach())
+    assert out[0, 2] == -float("inf")
+    # Nothing masked: exactly the head.
+    full = torch.randn(2, 6)
+    torch.testing.assert_close(processor(None, full), head(full).detach())
+
+
+# ----- errors -----
+
+
+def _saved_config(compose, tmp_path: Path, overrides: list[str]) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    OmegaConf.save(compose(["model=tiny", *overrides], run_dir), run_dir / "config_resolved.yaml")
+    return run_dir
+
+
+def test_missing_run_dir_and_non_run_dir(tmp_path):
+    with pytest.raises(ExportError, match="no such run directory"):
+        export_run(tmp_path / "nowhere", tmp_path / "out")
+    with pytest.raises(ExportError, match="is not a run directory .no config_resolved.yaml"):
+        export_run(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("method", "reason"),
+    [
+        ("base", "evaluates the model as it is"),
+        ("ic", "computed at evaluation time"),
+        ("cape", "computed at evaluation time"),
+        ("elicitation", "computed at evaluation time"),
+    ],
+)
+def test_methods_that_change_nothing_are_refused(method, reason, tmp_path, compose):
+    run_dir = _saved_config(compose, tmp_path, [f"method={method}"])
+    with pytest.raises(ExportError, match=f"method={method} has nothing to export") as err:
+        export_run(run_dir, tmp_path / "out")
+    assert reason in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_method_is_refused(tmp_path, compose):
+    run_dir = _saved_config(compose, tmp_path, ["method=calm"])
+    cfg = OmegaConf.load(run_dir / "config_resolved.yaml")
+    cfg.method.name = "magic"
+    cfg.method.module._target_ = "calm_lightning.methods.magic.Magic"
+    OmegaConf.save(cfg, run_dir / "config_resolved.yaml")
+    with pytest.raises(ExportError, match="unknown method 'magic'"):
+        export_run(run_dir, tmp_path / "out")
+
+
+def test_run_without_calibration_is_refused(calm_run, tmp_path):
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for name in ("config_resolved.yaml", "metrics.json"):
+        shutil.copyfile(calm_run / name, partial / name)
+    with pytest.raises(ExportError, match="has no calibration/ folder") as err:
+        export_run(partial, tmp_path / "out")
+    assert "ckpt_path=" in str(err.value)
+
+
+def test_existing_output_needs_overwrite_and_failures_leave_nothing(
+    calm_run, tmp_path, monkeypatch
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("previous export")
+    with pytest.raises(ExportError, match="out=.* exists; pass overwrite=true"):
+        export_run(calm_run, out)
+    # A failure half-way (here: writing the model card) leaves the old folder as it was and
+    # no partial folder beside it.
+    import calm_lightning.model_card
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(calm_lightning.model_card, "write_model_card", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_run(calm_run, out, overwrite=True)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_run(calm_run, tmp_path / "fresh")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    monkeypatch.undo()
+    export_run(calm_run, out, overwrite=True)
+    assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_arguments(tmp_path, capsys):
+    options = parse_arguments([f"run_dir={tmp_path}", "out=x", "merge=false", "overwrite=true"])
+    assert options.run_dir == tmp_path and options.out == Path("x")
+    assert options.merge is False and options.overwrite is True and options.dtype == "auto"
+    assert main(["run_dir=a", "colour=red"]) == 1
+    assert "unknown argument 'colour=red'" in capsys.readouterr().err
+    assert main(["out=x"]) == 1
+    assert "missing run_dir=" in capsys.readouterr().err
+    assert main([f"run_dir={tmp_path}", "out=x", "merge=perhaps"]) == 1
+    assert "merge='perhaps' is not true or false" in capsys.readouterr().err
+
+
+def test_command_line_prints_the_error_without_traceback(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "calm_lightning.export",
+            f"run_dir={tmp_path / 'nowhere'}",
+            f"out={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "error: run_dir=" in done.stderr and "no such run directory" in done.stderr
+    assert "Traceback" not in done.stderr
