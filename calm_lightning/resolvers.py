@@ -12,16 +12,16 @@ def cuda_available() -> bool:
 
 
 def auto_precision() -> str:
-    """Lightning precision for `precision: auto`: bf16 mixed on a bf16-capable GPU, fp32 on CPU.
+    """Lightning precision for `precision: auto`: bf16 mixed on a bf16-capable GPU, fp32
+    otherwise (CPU, and GPUs without bf16 such as V100 / T4).
 
     fp32 on CPU although bf16 is ~3x faster there: bf16 moves option probabilities by up to
     0.05 and flips the argmax on ~6 % of questions (docs/platform.md), which calibration
-    metrics cannot tolerate.
+    metrics cannot tolerate. Not fp16 on older GPUs: CALM writes its direction into `.grad`
+    by hand, which fp16 loss scaling cannot handle, and the default method must run.
     """
     if cuda_available() and torch.cuda.is_bf16_supported():
         return "bf16-mixed"
-    if cuda_available():
-        return "16-mixed"
     return "32-true"
 
 

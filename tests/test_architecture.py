@@ -180,3 +180,29 @@ def test_nothing_points_outside_the_repository():
         text = path.read_text(errors="ignore")
         hits = [p for p in patterns if p in text]
         assert not hits, f"{path.relative_to(ROOT)} points outside the repository: {hits}"
+
+
+def test_calm_refuses_fp16_before_any_model_loads(compose, tmp_path, monkeypatch):
+    import calm_lightning.pipeline as pipeline
+    from calm_lightning.errors import ConfigError
+
+    monkeypatch.setattr(pipeline, "load_language_model", lambda *_: pytest.fail("model loaded"))
+    cfg = compose(["model=tiny", "method=calm", "trainer.precision=16-mixed"], tmp_path)
+    with pytest.raises(ConfigError, match="not fp16.*trainer.precision=32-true"):
+        pipeline.run_experiment(cfg)
+
+
+def test_auto_precision_never_picks_fp16(monkeypatch):
+    """A GPU without bf16 gets fp32, so the default method (CALM) runs there too."""
+    import torch
+
+    from calm_lightning import resolvers
+
+    monkeypatch.setattr(resolvers, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert resolvers.resolve_precision("auto") == "32-true"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolvers.resolve_precision("auto") == "bf16-mixed"
+    monkeypatch.setattr(resolvers, "cuda_available", lambda: False)
+    assert resolvers.resolve_precision("auto") == "32-true"
+    assert resolvers.resolve_precision("16-mixed") == "16-mixed"

@@ -108,6 +108,16 @@ def bilevel_gradients(
     return BilevelGradients(grad_f, grad_q, g.detach(), g_surrogate.detach(), f.detach())
 
 
+# The direction is written into .grad by hand; fp16 loss scaling would unscale gradients that
+# were never scaled.
+FP16_PRECISIONS = {"16-mixed", "16"}
+FP16_REFUSAL = (
+    "CALM supports trainer.precision=bf16-mixed or 32-true, not fp16 (its BOME direction is "
+    "written into .grad by hand, which fp16 loss scaling cannot handle): use "
+    "trainer.precision=32-true on GPUs without bf16"
+)
+
+
 class CALM(TrainingMethod):
     """The CALM LightningModule (manual optimization, two AdamW optimizers)."""
 
@@ -164,12 +174,17 @@ class CALM(TrainingMethod):
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in (opt_theta, opt_alpha)]
         return [opt_theta, opt_alpha], schedulers
 
+    @classmethod
+    def check_requirements(cls, cfg, sources: dict) -> None:
+        super().check_requirements(cfg, sources)
+        precision = cfg.get("trainer", {}).get("precision")
+        if str(precision) in FP16_PRECISIONS:
+            raise ConfigError(FP16_REFUSAL)
+
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        if str(self.trainer.precision) in {"16-mixed", "16"}:
-            # The direction is written into .grad by hand; fp16 loss scaling would unscale
-            # gradients that were never scaled.
-            raise ConfigError("CALM supports bf16-mixed or 32-true precision, not fp16")
+        if str(self.trainer.precision) in FP16_PRECISIONS:
+            raise ConfigError(FP16_REFUSAL)
         self.lower_mode = self.resolve_mode("auto", "train")
         self.upper_objective = self.resolve_mode(self.upper_objective, "heldout")
         self.set_option_ids(self.lower_mode, self.upper_objective)
