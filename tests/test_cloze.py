@@ -197,3 +197,15 @@ def test_ts_fits_on_the_cloze_distribution_in_the_id_setting(compose, tmp_path, 
     assert 0.1 <= info["temperature"] <= 10 and info["nll_after"] <= info["nll_before"] + 1e-9
     assert metrics["accuracy"] == saved["comparison"]["base"]["accuracy"]
     assert np.isfinite(metrics["acc_norm"])
+
+
+@pytest.mark.slow
+def test_the_embedded_model_is_above_chance_in_cloze_mode(compose, tmp_path):
+    from calm_lightning.pipeline import run_experiment
+
+    cfg = compose(
+        ["method=base", "evaluation.scoring=cloze", "trainer.enable_progress_bar=false"],
+        tmp_path,
+    )
+    metrics = run_experiment(cfg).metrics
+    assert metrics["n"] == 320 and metrics["accuracy"] > 0.40
