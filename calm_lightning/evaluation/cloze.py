@@ -52,7 +52,7 @@ class ClozeScores:
 
     loglik: torch.Tensor  # summed log-likelihood of each option's continuation tokens
     n_tokens: torch.Tensor  # continuation length in tokens
-    n_chars: torch.Tensor  # continuation length in characters (lm-eval's acc_norm)
+    n_chars: torch.Tensor  # option text length in characters (lm-eval's acc_norm)
     FIELDS = ("loglik", "n_tokens", "n_chars")
 
     def logits(self, normalize: str = "none") -> torch.Tensor:
@@ -82,7 +82,7 @@ def _render(tokenizer, question: str, option: str, prompt: str) -> tuple[str, st
 def encode_question(
     tokenizer, question: str, options, prompt: str = "chat", max_length: int | None = None
 ) -> tuple[list[int], list[list[int]], list[int]]:
-    """(prompt ids, continuation ids per option, continuation lengths in characters).
+    """(prompt ids, continuation ids per option, option lengths in characters).
 
     As lm-eval does, the continuation is what encoding prompt + option adds after the prompt's
     own encoding (so a merge across the boundary stays in the option); a prompt longer than
@@ -99,7 +99,9 @@ def encode_question(
         if context_ids is None:
             context_ids = ctx
         conts.append(ids)
-        chars.append(len(cont))
+        # lm-eval's acc_norm divides by the length of the choice text, not of the
+        # continuation string (which has a leading space in the plain prompt).
+        chars.append(len(option))
     if max_length is not None:
         room = max(1, max_length - max(len(c) for c in conts))
         context_ids = context_ids[-room:]
