@@ -204,7 +204,12 @@ def test_the_embedded_model_is_above_chance_in_cloze_mode(compose, tmp_path):
     from calm_lightning.pipeline import run_experiment
 
     cfg = compose(
-        ["method=base", "evaluation.scoring=cloze", "trainer.enable_progress_bar=false"],
+        [
+            "method=base",
+            "evaluation.scoring=cloze",
+            "evaluation.cloze.prompt=plain",  # 48.8 % measured (chat: 41.2 %)
+            "trainer.enable_progress_bar=false",
+        ],
         tmp_path,
     )
     metrics = run_experiment(cfg).metrics
