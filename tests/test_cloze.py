@@ -195,8 +195,9 @@ def test_ts_fits_on_the_cloze_distribution_in_the_id_setting(compose, tmp_path, 
     info = saved["posthoc"]
     assert info["fitted_on"] == "mcqa_calibration_half_cloze" and info["n"] == 1
     assert 0.1 <= info["temperature"] <= 10 and info["nll_after"] <= info["nll_before"] + 1e-9
-    assert metrics["accuracy"] == saved["comparison"]["base"]["accuracy"]
-    assert np.isfinite(metrics["acc_norm"])
+    # No accuracy check: a temperature at every token can reorder options whose
+    # continuations differ in length (unlike letter scoring, where the argmax is kept).
+    assert np.isfinite(metrics["acc_norm"]) and np.isfinite(metrics["conf_ece"])
 
 
 @pytest.mark.slow

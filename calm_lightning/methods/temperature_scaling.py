@@ -35,7 +35,8 @@ class TemperatureScaling(PosthocTemperature):
 
     With `evaluation.scoring=cloze` and MCQA held-out data, T is fitted on the cloze option
     distribution through the same scoring path evaluation uses (the head d = 1 / T acting on
-    every continuation token's logits)."""
+    every continuation token's logits). There T can change the accuracy: the temperature acts
+    on each token before the per-option sum, which may reorder options of different lengths."""
 
     supports_cloze = True
 
