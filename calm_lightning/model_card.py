@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from calm_lightning.evaluation.results import TABLE_COLUMNS
 
-PERCENT = ("accuracy", "unattempted")
+PERCENT = ("accuracy", "acc_norm", "unattempted")
 DIAGRAMS = {"reliability.png": "reliability.png", "base/reliability.png": "reliability_base.png"}
 
 

@@ -91,6 +91,8 @@ def build_method(cfg: DictConfig, loaded: LoadedModel) -> CalibrationMethod:
         probe_size=cfg.evaluation.probe_size,
         n_bins=cfg.evaluation.n_bins,
         openqa=cfg.evaluation.openqa,
+        scoring=cfg.evaluation.get("scoring", "letter"),
+        cloze=cfg.evaluation.get("cloze"),
         _convert_="all",
     )
 

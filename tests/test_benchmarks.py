@@ -37,3 +37,13 @@ def test_sampling_benchmark_runs_on_the_tiny_model():
         *("--model", "tiny", "--questions", "2", "--samples", "3", "--max-new-tokens", "4"),
     )
     assert "speed-up vs 3 generate calls" in out
+
+
+def test_cloze_scoring_benchmark_runs_on_the_tiny_model():
+    out = _run(
+        "cloze_scoring.py",
+        *("--model", "tiny", "--questions", "3", "--batch", "2", "--repeats", "1"),
+    )
+    assert "time ratio separate / shared" in out
+    difference = float(out.rsplit("log-likelihoods:", 1)[1])
+    assert difference < 1e-4

@@ -52,6 +52,9 @@ class MCQACollator:
             "labels": torch.tensor([r.answer for r in records], dtype=torch.long),
             "ids": [r.id for r in records],
             "n_options": len(records[0].choices),
+            # Raw texts for option-likelihood (cloze) scoring, which builds its own prompts.
+            "questions": [r.question for r in records],
+            "choices": [list(r.choices) for r in records],
         }
 
 

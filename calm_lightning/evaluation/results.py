@@ -10,6 +10,7 @@ from calm_lightning.metrics.reliability import plot_reliability_diagram
 
 TABLE_COLUMNS = (
     ("accuracy", "acc"),
+    ("acc_norm", "acc_norm"),  # cloze scoring: lm-eval's length-normalised accuracy
     ("sem_ece", "Sem-ECE"),
     ("mean_confidence", "mean conf"),
     ("unattempted", "no answer"),
@@ -90,7 +91,7 @@ def format_table(rows: dict[str, dict]) -> str:
             value = metrics.get(key)
             if value is None:
                 cells.append(f"{'-':>10}")
-            elif key in ("accuracy", "unattempted"):
+            elif key in ("accuracy", "acc_norm", "unattempted"):
                 cells.append(f"{100 * value:>9.2f}%")
             else:
                 cells.append(f"{value:>10.4f}")

@@ -25,8 +25,10 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 
+from calm_lightning.data.prompts import OPTION_LETTERS
 from calm_lightning.data.records import OpenQARecord
 from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.cloze import ClozeSettings, score_cloze
 from calm_lightning.evaluation.mcqa import OptionTokens, choose_option_tokens, score_options
 from calm_lightning.evaluation.openqa import OpenQAPredictions, OpenQASettings, score_openqa_batch
 from calm_lightning.evaluation.results import write_mcqa_results
@@ -39,6 +41,9 @@ from calm_lightning.models.lora import wrap_with_lora
 # scalar temperature d = 1 / T over the untouched logits (post-hoc temperature methods).
 HEAD_NONE, HEAD_CONFIGURED, HEAD_TEMPERATURE = None, "configured", "temperature"
 TEMPERATURE_HEAD = {"kind": "scalar", "center": "none"}
+SCORINGS = ("letter", "cloze")
+# Stands in for the letter tokens in the result files of a cloze evaluation.
+CLOZE_OPTION_TOKENS = OptionTokens("cloze", (), OPTION_LETTERS)
 
 
 @dataclass
@@ -76,6 +81,8 @@ class CalibrationMethod(L.LightningModule):
     # Whether `calibrate` changes the model: the run then scores the untouched model first
     # (the base row) and saves what changed under calibration/.
     changes_model: ClassVar[bool] = False
+    # Whether the method works with `evaluation.scoring=cloze` (option-likelihood scoring).
+    supports_cloze: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -85,8 +92,14 @@ class CalibrationMethod(L.LightningModule):
         probe_size: int = 8,
         n_bins: int = 10,
         openqa: OpenQASettings | dict | None = None,
+        scoring: str = "letter",
+        cloze: ClozeSettings | dict | None = None,
     ) -> None:
         super().__init__()
+        if scoring not in SCORINGS:
+            raise ConfigError(f"evaluation.scoring={scoring!r} is not one of {SCORINGS}")
+        self.scoring = scoring
+        self.cloze = cloze if isinstance(cloze, ClozeSettings) else ClozeSettings(**(cloze or {}))
         self.model = model
         self.tokenizer = tokenizer
         self.option_token_style = option_tokens
@@ -98,6 +111,7 @@ class CalibrationMethod(L.LightningModule):
             openqa if isinstance(openqa, OpenQASettings) else OpenQASettings(**(openqa or {}))
         )
         self._test_rows: list = []
+        self._acc_norm_rows: list = []
         self._open_ended = False
 
     # ----- evaluation (shared) -----
@@ -115,6 +129,7 @@ class CalibrationMethod(L.LightningModule):
     def on_test_start(self) -> None:
         self.model.eval()
         self._test_rows = []
+        self._acc_norm_rows = []
         dataset = self._test_loader().dataset
         self._open_ended = len(dataset) > 0 and isinstance(dataset[0], OpenQARecord)
         if self._open_ended:
@@ -122,7 +137,9 @@ class CalibrationMethod(L.LightningModule):
             # base-versus-method comparison in one run).
             self._generator = torch.Generator(device=self.device).manual_seed(self.openqa.seed)
             return
-        if self.option_tokens is None:
+        if self.scoring == "cloze":
+            self.option_tokens = CLOZE_OPTION_TOKENS
+        elif self.option_tokens is None:
             probe = self._probe_batch()
             n_options = probe["n_options"] if probe else 4
             self.option_tokens = choose_option_tokens(
@@ -144,8 +161,19 @@ class CalibrationMethod(L.LightningModule):
         """(B, K) option probabilities and, for methods that state their answer apart from
         the probabilities, the (B,) answers (None = the argmax). Methods that produce their
         confidence differently (IC, CAPE, elicitation) override this, nothing else."""
+        if self.scoring == "cloze":
+            return torch.softmax(self.cloze_logits(batch), dim=-1), None
         logits = score_options(self.model, batch, self.option_tokens)
         return torch.softmax(logits.double(), dim=-1), None
+
+    def cloze_logits(self, batch: dict) -> torch.Tensor:
+        """(B, K) float64 option logits by option likelihood under the calibrated model, per
+        `evaluation.cloze.normalize`; records lm-eval's acc_norm choice on the side."""
+        scores = score_cloze(
+            self.model, self.tokenizer, batch["questions"], batch["choices"], self.cloze.prompt
+        )
+        self._acc_norm_rows.append((scores.acc_norm_predictions(), batch["labels"].cpu()))
+        return scores.logits(self.cloze.normalize)
 
     def on_test_epoch_end(self) -> None:
         if self._open_ended:
@@ -162,7 +190,13 @@ class CalibrationMethod(L.LightningModule):
         labels = torch.cat([y for _, _, y, _ in self._test_rows]).numpy()
         stated = [a for _, _, _, a in self._test_rows]
         predicted = None if stated[0] is None else torch.cat(stated).cpu().numpy()
-        return MCQAPredictions(ids, probs, labels, self.option_tokens, predicted)
+        extra = {}
+        if self.scoring == "cloze" and self._acc_norm_rows:
+            # lm-eval's acc_norm (argmax of log-likelihood per character), whatever normalize is.
+            chosen = torch.cat([p for p, _ in self._acc_norm_rows])
+            gold = torch.cat([y for _, y in self._acc_norm_rows])
+            extra["acc_norm"] = float((chosen == gold).double().mean())
+        return MCQAPredictions(ids, probs, labels, self.option_tokens, predicted, extra)
 
     def save_calibration(self, directory) -> None:
         """Write what calibration changed (adapter + head) to `directory`."""
@@ -173,6 +207,15 @@ class CalibrationMethod(L.LightningModule):
     def check_requirements(cls, cfg, sources: dict) -> None:
         """Refuse a method / setting pair that cannot work, before any model is loaded."""
         method, setting = cfg.method.name, cfg.setting.name
+        scoring = cfg.get("evaluation", {}).get("scoring", "letter")
+        if scoring not in SCORINGS:
+            raise ConfigError(f"evaluation.scoring={scoring} is not one of {', '.join(SCORINGS)}")
+        if scoring == "cloze" and not cls.supports_cloze:
+            raise ConfigError(
+                f"method={method} does not support evaluation.scoring=cloze: option-likelihood "
+                "(cloze) scoring is available for base and ts so far; use "
+                "evaluation.scoring=letter"
+            )
         kind = getattr(sources.get("train"), "kind", None)
         if cls.train_kinds is not None and kind not in cls.train_kinds:
             raise ConfigError(
@@ -248,3 +291,5 @@ class PosthocTemperature(CalibrationMethod):
 
 class BaseMethod(CalibrationMethod):
     """The aligned model as it is (the paper's DPO / RLHF row): no training."""
+
+    supports_cloze = True

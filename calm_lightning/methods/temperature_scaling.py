@@ -15,8 +15,14 @@ import logging
 import torch
 from torch.utils.data import DataLoader
 
-from calm_lightning.calibrators.temperature import fit_temperature
+from calm_lightning.calibrators.temperature import BOUNDS, fit_temperature
 from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.cloze import (
+    ClozeScores,
+    fit_cloze_temperature,
+    temperature_scales,
+    temperature_terms,
+)
 from calm_lightning.evaluation.mcqa import choose_option_tokens, score_options
 from calm_lightning.methods.base import PosthocTemperature
 from calm_lightning.methods.objectives import select_response_logits
@@ -25,7 +31,14 @@ log = logging.getLogger(__name__)
 
 
 class TemperatureScaling(PosthocTemperature):
-    """One T by scipy's bounded minimiser of NLL on held-out data (docs/baselines.md)."""
+    """One T by scipy's bounded minimiser of NLL on held-out data (docs/baselines.md).
+
+    With `evaluation.scoring=cloze` and MCQA held-out data, T is fitted on the cloze option
+    distribution through the same scoring path evaluation uses (the head d = 1 / T acting on
+    every continuation token's logits). There T can change the accuracy: the temperature acts
+    on each token before the per-option sum, which may reorder options of different lengths."""
+
+    supports_cloze = True
 
     def __init__(
         self,
@@ -71,7 +84,19 @@ class TemperatureScaling(PosthocTemperature):
         head = self.model.head
         self.model.head = None  # fit on the model's own logits, not through the current head
         try:
-            if self._kind == "mcqa":
+            if self._kind == "mcqa" and self.scoring == "cloze":
+                self._scales = temperature_scales(BOUNDS)
+                scores, lse = temperature_terms(
+                    self.model,
+                    self.tokenizer,
+                    batch["questions"],
+                    batch["choices"],
+                    self._scales,
+                    self.cloze.prompt,
+                )
+                self._rows.append((scores, lse))
+                self._targets.append(batch["labels"].cpu())
+            elif self._kind == "mcqa":
                 if self.option_tokens is None:
                     self.option_tokens = choose_option_tokens(
                         self.model,
@@ -107,16 +132,29 @@ class TemperatureScaling(PosthocTemperature):
 
     def fit_posthoc(self) -> dict:
         """Fit T on what the predict pass collected and install d = 1 / T."""
-        logits, labels = torch.cat(self._rows), torch.cat(self._targets)
-        if self._kind != "mcqa":  # the reservoir buffer may not be full
-            logits, labels = logits[: self._seen], labels[: self._seen]
-        fit = fit_temperature(logits, labels)
+        cloze = self._kind == "mcqa" and self.scoring == "cloze"
+        labels = torch.cat(self._targets)
+        if cloze:
+            scores = ClozeScores(
+                *(torch.cat([getattr(s, f) for s, _ in self._rows]) for f in ClozeScores.FIELDS)
+            )
+            lse = torch.cat([t for _, t in self._rows])
+            fit = fit_cloze_temperature(
+                scores, lse, labels, self._scales, self.cloze.normalize, BOUNDS
+            )
+        else:
+            logits = torch.cat(self._rows)
+            if self._kind != "mcqa":  # the reservoir buffer may not be full
+                logits, labels = logits[: self._seen], labels[: self._seen]
+            fit = fit_temperature(logits, labels)
         with torch.no_grad():
             self.model.head.scale.fill_(1.0 / fit.temperature)
             self.model.head.bias.zero_()
         self.fit_info = {
             "temperature": fit.temperature,
-            "fitted_on": "mcqa_calibration_half"
+            "fitted_on": "mcqa_calibration_half_cloze"
+            if cloze
+            else "mcqa_calibration_half"
             if self._kind == "mcqa"
             else "heldout_response_tokens",
             "n": fit.n,
