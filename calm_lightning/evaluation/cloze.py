@@ -23,7 +23,7 @@ from scipy.special import logsumexp
 from calm_lightning.calibrators.temperature import BOUNDS, TemperatureFit
 from calm_lightning.data.collate import pad_left
 from calm_lightning.data.prompts import render_conversation
-from calm_lightning.evaluation.sampling import _cache_names
+from calm_lightning.evaluation.sampling import _cache_names, prefill_repeated
 from calm_lightning.models.calibrated_lm import positions_from_mask
 
 NORMALIZE = ("none", "tokens", "chars")
@@ -132,17 +132,9 @@ def _shared_prompt_logits(model, tokenizer, encoded, k: int):
     device = next(model.parameters()).device
     ids, mask = pad_left([ctx for ctx, _, _ in encoded], tokenizer.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
-    cache_kwarg, cache_attr = _cache_names(model.lm)
-    out = model.lm(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions_from_mask(mask),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache = getattr(out, cache_attr)
-    cache.batch_repeat_interleave(k)
-    first = out.logits[:, -1:].repeat_interleave(k, dim=0)  # predicts each option's 1st token
+    cache_kwarg, _ = _cache_names(model.lm)
+    last, cache = prefill_repeated(model.lm, ids, mask, k)
+    first = last[:, None]  # predicts each option's 1st token
     conts = [c for _, cs, _ in encoded for c in cs]
     width = max(len(c) for c in conts)
     cont_ids = torch.full((len(conts), width), tokenizer.pad_token_id, dtype=torch.long)

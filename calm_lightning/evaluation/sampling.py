@@ -28,6 +28,23 @@ def _cache_names(lm) -> tuple[str, str]:
     return "past_key_values", "past_key_values"
 
 
+def prefill_repeated(lm, ids: torch.Tensor, mask: torch.Tensor, n: int):
+    """Encode left-padded prompts once and repeat each row's KV cache n times: the next-token
+    logits (B * n, V) at the last prompt position, the repeated cache and the forward keyword
+    that takes it back. Shared by the answer sampler and cloze option scoring."""
+    _, cache_attr = _cache_names(lm)
+    out = lm(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions_from_mask(mask),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = getattr(out, cache_attr)
+    cache.batch_repeat_interleave(n)
+    return out.logits[:, -1].repeat_interleave(n, dim=0), cache
+
+
 # Per tokenizer: the vocabulary entries that decode to a newline (a scan of the whole
 # vocabulary, ~80 ms for 49k entries; the evaluation samples batch after batch).
 _NEWLINE_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -75,17 +92,8 @@ def sample_answers(
         rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in chunk]
         ids, mask = pad_left(rows, tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
-        out = model.lm(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions_from_mask(mask),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache = getattr(out, cache_attr)
-        cache.batch_repeat_interleave(n)
+        logits, cache = prefill_repeated(model.lm, ids, mask, n)
         mask = mask.repeat_interleave(n, dim=0)
-        logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         finished = torch.zeros(mask.shape[0], dtype=torch.bool, device=device)
         tokens = []
         for _ in range(max_new_tokens):
