@@ -12,6 +12,8 @@ This module imports lm_eval at the top; import it only when retention runs.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from lm_eval.models.huggingface import HFLM
 
@@ -30,14 +32,21 @@ class CalibratedHFLM(HFLM):
         **kwargs,
     ) -> None:
         self.calibrated = calibrated
-        super().__init__(
-            pretrained=calibrated.lm,
-            tokenizer=tokenizer,
-            backend="causal",
-            batch_size=batch_size,
-            max_length=max_length,
-            **kwargs,
-        )
+        # HFLM warns that a model object (not a name) was passed; that is the point here.
+        hf_log = logging.getLogger("lm_eval.models.huggingface")
+        level = hf_log.level
+        hf_log.setLevel(logging.ERROR)
+        try:
+            super().__init__(
+                pretrained=calibrated.lm,
+                tokenizer=tokenizer,
+                backend="causal",
+                batch_size=batch_size,
+                max_length=max_length,
+                **kwargs,
+            )
+        finally:
+            hf_log.setLevel(level)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         """lm-eval's forward, then the head on the logits of every position (fp32)."""
