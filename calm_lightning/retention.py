@@ -60,15 +60,14 @@ def settings_for(run_cfg, arguments: dict):
     block = OmegaConf.select(run_cfg, "evaluation.retention", default=None)
     values = OmegaConf.to_container(block, resolve=True) if block is not None else {}
     values.setdefault("n_bins", OmegaConf.select(run_cfg, "evaluation.n_bins", default=10))
-    files = {k: v for k, v in (values.get("data_files") or {}).items() if v}
-    files.update(arguments.get("data_files") or {})
-    values["data_files"] = files
     for key in ("tasks", "limit", "batch_size", "n_bins"):
         if key in arguments:
             values[key] = arguments[key]
-    # Files the run named for tasks this evaluation does not run are not an error here.
     tasks = values.get("tasks") or []
-    values["data_files"] = {k: v for k, v in files.items() if k in tasks}
+    # Files the run named for tasks this evaluation does not run are no error here (those
+    # given on the command line are).
+    files = {k: v for k, v in (values.get("data_files") or {}).items() if v and k in tasks}
+    values["data_files"] = {**files, **(arguments.get("data_files") or {})}
     settings = RetentionSettings.from_config(values, option="")
     if not settings.enabled:
         raise ConfigError(f"no retention tasks: pass tasks=[piqa,winogrande,...]\n{USAGE}")

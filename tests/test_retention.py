@@ -201,6 +201,35 @@ def test_missing_data_names_the_task_the_hub_dataset_and_the_override(tmp_path):
         load_tasks(RetentionSettings(tasks=("winogrande",), option=""), tmp_path)
 
 
+def test_a_run_without_the_data_stops_before_any_model_loads(compose, tmp_path, monkeypatch):
+    import calm_lightning.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "load_language_model", lambda *_: pytest.fail("model loaded"))
+    cfg = compose(["model=tiny", "evaluation.retention.tasks=[hellaswag]"], tmp_path)
+    with pytest.raises(
+        DataUnavailableError, match=r"(?s)'Rowan/hellaswag'.*data_files\.hellaswag=\["
+    ):
+        pipeline.run_experiment(cfg)
+
+
+def test_a_method_that_does_not_change_the_model_writes_the_base_row_only(compose, tmp_path):
+    from calm_lightning.pipeline import run_experiment
+
+    overrides = [
+        "model=tiny",
+        "method=base",
+        "setting.test.limit=4",
+        "logger=none",
+        "trainer.enable_progress_bar=false",
+        "evaluation.retention.tasks=[arc_challenge]",
+        f"evaluation.retention.data_files.arc_challenge=[{HUB / 'arc_challenge.jsonl'}]",
+        "evaluation.retention.limit=3",
+    ]
+    run_experiment(compose(overrides, tmp_path))
+    rows = json.loads((tmp_path / "retention.json").read_text())["rows"]
+    assert list(rows) == ["base"] and rows["base"]["arc_challenge"]["n"] == 3
+
+
 def test_bad_files_and_names_are_refused_with_the_fix(tmp_path):
     wrong = tmp_path / "piqa.jsonl"
     wrong.write_text(json.dumps({"question": "q", "answer": 1}) + "\n")

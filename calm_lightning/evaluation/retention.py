@@ -127,20 +127,44 @@ def _require_lm_eval():
 
 @functools.cache
 def task_manager():
-    """lm-eval's index of its own tasks (built once per process: it reads every task yaml)."""
+    """A TaskManager without lm-eval's index: tasks are loaded from their yaml paths."""
     _require_lm_eval()
     from lm_eval.tasks import TaskManager
 
-    return TaskManager()
+    return TaskManager(include_defaults=False)
+
+
+@functools.cache
+def _full_index() -> dict:
+    """lm-eval's index of all its tasks (reads every task yaml: seconds, so only on need)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager().task_index
+
+
+@functools.cache
+def _task_entry_cached(name: str):
+    """The index entry of an lm-eval task: first from the folder named like it (`piqa/`, or
+    `arc/` for `arc_easy`), which is where lm-eval keeps most tasks, else the full index."""
+    import lm_eval.tasks
+    from lm_eval.tasks._index import TaskIndex
+
+    root = Path(lm_eval.tasks.__file__).parent
+    for guess in dict.fromkeys([name, name.split("_")[0]]):
+        if (root / guess).is_dir():
+            entry = TaskIndex.build([root / guess]).get(name)
+            if entry is not None:
+                return entry
+    return _full_index().get(name)
 
 
 def _task_entry(name: str, option: str):
     from lm_eval.tasks._index import Kind
 
-    index = task_manager().task_index
-    entry = index.get(name)
+    _require_lm_eval()
+    entry = _task_entry_cached(name)
     if entry is None:
-        close = difflib.get_close_matches(name, list(index), n=3)
+        close = difflib.get_close_matches(name, list(_full_index()), n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise ConfigError(f"{option}tasks: {name!r} is not an lm-eval task{hint}")
     if entry.kind not in (Kind.TASK,):
@@ -206,14 +230,13 @@ def local_task_config(name: str, files: tuple[str, ...], option: str) -> dict:
 
 
 def task_specs(settings: RetentionSettings, workdir: Path) -> dict[str, str]:
-    """Per task, what lm-eval loads: its name, or a generated yaml (kept in `workdir` as a
-    record of what ran) when the task reads local files."""
+    """Per task, the yaml lm-eval loads: the task's own, or a generated one (kept in `workdir`
+    as a record of what ran) when the task reads local files."""
     specs = {}
     for name in settings.tasks:
         files = settings.data_files.get(name)
         if not files:
-            _task_entry(name, settings.option)
-            specs[name] = name
+            specs[name] = str(_task_entry(name, settings.option).yaml_path)
             continue
         config = local_task_config(name, files, settings.option)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -254,7 +277,7 @@ def load_tasks(settings: RetentionSettings, workdir: Path) -> dict:
         except Exception as err:  # offline, unreachable, bad files: many exception classes
             standard = _standard_config(name, settings.option)
             reason = f"{type(err).__name__}: {err}"
-            if spec == name:
+            if name not in settings.data_files:
                 raise DataUnavailableError(
                     _unavailable(name, standard, settings.option, f"that failed ({reason}).")
                 ) from err
