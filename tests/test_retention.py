@@ -65,6 +65,24 @@ def test_identity_head_scores_exactly_like_lm_evals_own_hf_model(tiny_loaded, fi
             assert ours["results"][task].get(metric) == reference["results"][task].get(metric)
 
 
+def test_a_retention_pass_leaves_the_random_streams_as_they_were():
+    """Scoring choices draws nothing, but sampled generation does: whatever runs inside
+    `preserved_rng` (as each retention pass does), training afterwards draws the same."""
+    import random
+
+    from calm_lightning.evaluation.retention import preserved_rng
+
+    def draws():
+        return random.random(), float(np.random.rand()), torch.rand(2).tolist()
+
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    expected = draws()
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    with preserved_rng():
+        inside = draws()  # what a sampling task would consume
+    assert inside == expected and draws() == expected
+
+
 def _by_hand(model, tokenizer, head, context: str, continuation: str) -> float:
     """log p(continuation | context) with the head applied to the logits by hand: one forward
     of the whole text, continuation tokens = what it adds to the context's encoding."""
@@ -269,7 +287,7 @@ def test_importing_the_package_and_the_pipeline_does_not_import_lm_eval():
         "import sys, calm_lightning, calm_lightning.evaluation.retention, calm_lightning.retention;"
         "import calm_lightning.pipeline; print('lm_eval' in sys.modules)"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from calm_lightning.errors import (
     ConfigError,
@@ -241,8 +242,6 @@ def task_specs(settings: RetentionSettings, workdir: Path) -> dict[str, str]:
         config = local_task_config(name, files, settings.option)
         workdir.mkdir(parents=True, exist_ok=True)
         path = workdir / f"{name}.yaml"
-        import yaml
-
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         specs[name] = str(path)
     return specs
