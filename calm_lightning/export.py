@@ -122,8 +122,12 @@ class RunToExport:
         return model.get("model_id") if model.get("source") in ("hub", "embedded") else None
 
 
-def inspect_run(run_dir: str | Path) -> RunToExport:
-    """Check that `run_dir` is a finished run of a method whose calibration can be exported."""
+def inspect_run(run_dir: str | Path, exporting: bool = True) -> RunToExport:
+    """Check that `run_dir` is a finished run of a method whose calibration can be exported.
+
+    `exporting=False` (other readers of a saved run, e.g. retention) also accepts a run of a
+    method that does not change the model: it has no calibration/ and uses the base as it is.
+    """
     from omegaconf import OmegaConf
 
     run_dir = Path(run_dir)
@@ -138,10 +142,10 @@ def inspect_run(run_dir: str | Path) -> RunToExport:
     cfg = OmegaConf.load(config)
     method = str(OmegaConf.select(cfg, "method.name", default="?"))
     cls = _method_class(cfg, method)
-    if not cls.changes_model:
+    if not cls.changes_model and exporting:
         raise ExportError(_nothing_to_export(cls, method, cfg))
     calibration = run_dir / CALIBRATION_DIR
-    if not calibration.is_dir():
+    if not calibration.is_dir() and cls.changes_model:
         raise ExportError(
             f"run_dir={run_dir} has no {CALIBRATION_DIR}/ folder, so there is no calibrated "
             f"model to export: a method={method} run writes it once calibration has finished. "
@@ -275,7 +279,7 @@ def _publish(staging: Path, out: Path) -> None:
 
 def write_folder(run: RunToExport, folder: Path, merge: bool, dtype: str) -> None:
     """Weights (merged, or base + adapter/), tokenizer, calibration, model card."""
-    loaded = _load_base(run, dtype)
+    loaded = load_base_model(run, dtype)
     model, tokenizer = loaded.model, loaded.tokenizer
     head = _check_head(run, model)
     adapter = run.adapter_dir
@@ -302,7 +306,7 @@ def write_folder(run: RunToExport, folder: Path, merge: bool, dtype: str) -> Non
     write_model_card(run, folder, info)
 
 
-def _load_base(run: RunToExport, dtype: str):
+def load_base_model(run: RunToExport, dtype: str):
     """The run's base model, unquantized, at `dtype`, with its tokenizer."""
     from omegaconf import OmegaConf
 

@@ -20,10 +20,20 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.results import format_table
+from calm_lightning.evaluation.results import format_table, run_meta
+from calm_lightning.evaluation.retention import (
+    RETENTION_DIR,
+    RETENTION_FILE,
+    RetentionSettings,
+    evaluate_retention,
+    format_retention_table,
+    load_tasks,
+    write_retention,
+)
 from calm_lightning.loggers import build_loggers, finish_loggers, publish_results
 from calm_lightning.method_settings import applied_method_setting, log_method_setting
 from calm_lightning.methods.base import CalibrationMethod
+from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.loading import LoadedModel, load_language_model
 from calm_lightning.timing import Stopwatch
 
@@ -116,13 +126,7 @@ def evaluate(trainer, module, datamodule, out: Path, cfg: DictConfig, method_nam
     """Score the test split with the module as it is now and write its result files."""
     trainer.test(module, datamodule=datamodule, verbose=False)
     metrics = module.predictions.report(cfg.evaluation.n_bins)
-    meta = {
-        "model": cfg.model.name,
-        "model_id": cfg.model.get("model_id"),
-        "method": method_name,
-        "setting": cfg.setting.name,
-        "seed": cfg.seed,
-    }
+    meta = {**run_meta(cfg), "method": method_name}
     title = f"{cfg.model.name} / {method_name} / {cfg.setting.name}"
     module.predictions.write(out, metrics, meta, title=title)
     return metrics
@@ -144,6 +148,10 @@ def run_experiment(cfg: DictConfig) -> RunResult:
     cls.check_requirements(cfg, datamodule.sources)
     ckpt_path = checkpoint_path(cfg)
     datamodule.load_records()
+    # lm-eval's retention tasks read their data now too, before the model loads.
+    retention = RetentionSettings.from_config(cfg.evaluation.get("retention"))
+    retention_tasks = load_tasks(retention, out / RETENTION_DIR) if retention.enabled else {}
+    retention_rows: dict[str, dict] = {}
     stopwatch = Stopwatch()
     loggers: list = []
     module = None
@@ -161,6 +169,16 @@ def run_experiment(cfg: DictConfig) -> RunResult:
             # exactly the untouched model, scored on the same data by the same code.
             with stopwatch.phase("evaluate_base"):
                 rows["base"] = evaluate(trainer, module, datamodule, out / "base", cfg, "base")
+        if retention_tasks:
+            # The untouched model: no head, the adapters (zero before calibration) inert.
+            with stopwatch.phase("retention_base"):
+                retention_rows["base"] = evaluate_retention(
+                    CalibratedLM(module.model.lm, None),
+                    loaded.tokenizer,
+                    retention_tasks,
+                    retention,
+                    out / RETENTION_DIR / "base",
+                )
         # calibrate
         with stopwatch.phase("calibrate"):
             fitted = module.calibrate(trainer, datamodule, ckpt_path)
@@ -170,6 +188,15 @@ def run_experiment(cfg: DictConfig) -> RunResult:
         with stopwatch.phase("evaluate"):
             metrics = evaluate(trainer, module, datamodule, out, cfg, cfg.method.name)
         rows[cfg.method.name] = metrics
+        if retention_tasks and module.changes_model:
+            with stopwatch.phase("retention"):
+                retention_rows[cfg.method.name] = evaluate_retention(
+                    module.model,
+                    loaded.tokenizer,
+                    retention_tasks,
+                    retention,
+                    out / RETENTION_DIR / cfg.method.name,
+                )
         # write
         _add_to_metrics_file(
             out,
@@ -187,6 +214,10 @@ def run_experiment(cfg: DictConfig) -> RunResult:
             f"outputs in {out})"
         )
         print(format_table(rows))
+        if retention_rows:
+            write_retention(out, retention_rows, retention, run_meta(cfg))
+            print(f"\nretention (lm-eval, zero-shot; {out / RETENTION_FILE})")
+            print(format_retention_table(retention_rows))
         return RunResult(metrics=metrics, comparison=rows, output_dir=out)
     finally:
         finish_loggers(loggers)

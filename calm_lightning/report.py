@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     print((out / "report.md").read_text())
     print(
         f"written: {out}/report.md, results.csv, selected.csv"
+        + (", retention.csv" if (out / "retention.csv").is_file() else "")
         + (", reliability_grid.png" if result["grid"] else "")
     )
     return 0

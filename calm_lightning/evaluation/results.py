@@ -23,6 +23,17 @@ TABLE_COLUMNS = (
 )
 
 
+def run_meta(cfg) -> dict:
+    """Which run a result file belongs to: model, method, setting, seed."""
+    return {
+        "model": cfg.model.name,
+        "model_id": cfg.model.get("model_id"),
+        "method": cfg.method.name,
+        "setting": cfg.setting.name,
+        "seed": cfg.seed,
+    }
+
+
 def result_paths(directory: str | Path) -> dict[str, Path]:
     """The result files every run writes under `directory` (created if needed)."""
     directory = Path(directory)

@@ -1,5 +1,6 @@
 """Step one of a report: find every run directory (one holding `config_resolved.yaml`) below the
-given roots, read its flattened config and its `metrics.json` (or `failed.json`) into a `Run`,
+given roots, read its flattened config and its `metrics.json` (or `failed.json`, and
+`retention.json` when the run measured retention) into a `Run`,
 and mark as hyper-parameters the config keys that differ within each (model, setting, method)
 group, leaving out seeds, paths and keys interpolated from the seed.
 """
@@ -28,6 +29,7 @@ class Run:
     base: dict | None = None
     error: str | None = None
     params: dict = field(default_factory=dict)
+    retention: dict | None = None  # retention.json's rows (base, method): task -> metrics
 
 
 def _flatten(node, prefix: str = "") -> dict:
@@ -64,6 +66,9 @@ def collect_runs(roots: list[str | Path]) -> list[Run]:
                 run.error = json.loads(failed_file.read_text()).get("error", "failed")
             else:
                 run.error = "no metrics.json (interrupted or still running)"
+            retention_file = run_dir / "retention.json"
+            if retention_file.is_file():
+                run.retention = json.loads(retention_file.read_text()).get("rows")
             runs.append(run)
     _mark_swept_parameters(runs)
     return runs

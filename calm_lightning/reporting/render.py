@@ -1,7 +1,8 @@
 """Step three of a report: write what the selection chose. `markdown_tables` renders one
 paper-style table per (model, setting) with the best value per column in bold; `write_report`
 writes `report.md` (tables, selected hyper-parameters, failed runs), `results.csv` (every run),
-`selected.csv` (every choice, mean and std) and, via `reliability_grid`, one figure of the chosen
+`selected.csv` (every choice, mean and std), `retention.csv` and the retention tables when runs
+measured retention (reporting/retention.py) and, via `reliability_grid`, one figure of the chosen
 runs' reliability diagrams.
 """
 
@@ -15,6 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from calm_lightning.reporting.collect import Run
+from calm_lightning.reporting.retention import (
+    retention_markdown,
+    retention_rows,
+    write_retention_csv,
+)
 from calm_lightning.reporting.selection import Choice, calibration_key, select
 
 COLUMNS = (
@@ -105,7 +111,8 @@ def _method_order(method: str) -> int:
 
 
 def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0.8) -> dict:
-    """Write report.md, results.csv, selected.csv and reliability_grid.png under `out`."""
+    """Write report.md, results.csv, selected.csv, retention.csv (when runs measured
+    retention) and reliability_grid.png under `out`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     choices = select(runs, min_accuracy_ratio)
@@ -131,6 +138,10 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
             f"| {c.model} | {c.setting} | {c.method} | {params} | {key} | "
             f"{c.mean[key]:.4f} | {100 * c.mean['accuracy']:.2f}% |"
         )
+    retention = retention_rows(choices, runs)
+    if retention:
+        lines += ["", retention_markdown(retention)]
+        write_retention_csv(retention, out / "retention.csv")
     if failed:
         lines += ["", "## Failed or unfinished runs", ""]
         lines += [f"- `{r.path}`: {r.error}" for r in failed]

@@ -1,0 +1,164 @@
+"""`python -m calm_lightning.retention run_dir=<run dir> [tasks=[piqa,winogrande,...]]
+[data_files.<task>=[file,...]] [limit=N] [batch_size=8] [out=<dir>] [overwrite=false]`:
+language-ability retention of a saved run, without retraining.
+
+The run's base model is loaded as `python -m calm_lightning.export` loads it (same checks, same
+precision), scored zero-shot on the lm-eval tasks, then the run's calibration/ (adapter + head
+or temperature) is attached and the same tasks are scored again. Writes <out>/retention.json
+(out defaults to run_dir, where the sweep report finds it) and prints the table. Tasks and
+data files default to the run's own `evaluation.retention` block; docs/retention.md has more.
+
+Arguments are key=value like a run's command line (lists as [a,b]), parsed with OmegaConf's
+dotlist rather than Hydra: there is nothing to compose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from calm_lightning.errors import CalmLightningError, ConfigError
+
+log = logging.getLogger(__name__)
+
+USAGE = (
+    "usage: python -m calm_lightning.retention run_dir=<run dir> [tasks=[piqa,winogrande]] "
+    "[data_files.<task>=[/data/<task>.jsonl]] [limit=N] [batch_size=8] [out=<dir>] "
+    "[overwrite=false]"
+)
+KEYS = ("run_dir", "tasks", "data_files", "limit", "batch_size", "n_bins", "out", "overwrite")
+
+
+def parse_arguments(argv: list[str]) -> dict:
+    """key=value arguments into a plain dict (lists and numbers parsed as YAML)."""
+    from omegaconf import OmegaConf
+
+    for arg in argv:
+        key, sep, _ = arg.partition("=")
+        if not sep or key.split(".")[0] not in KEYS:
+            raise ConfigError(
+                f"unknown argument {arg!r} (arguments are key=value, keys: "
+                f"{', '.join(KEYS)})\n{USAGE}"
+            )
+    try:
+        values = OmegaConf.to_container(OmegaConf.from_dotlist(argv))
+    except Exception as err:  # omegaconf grammar errors
+        raise ConfigError(f"cannot parse the arguments: {err}\n{USAGE}") from err
+    if not values.get("run_dir"):
+        raise ConfigError(f"missing run_dir=\n{USAGE}")
+    return values
+
+
+def settings_for(run_cfg, arguments: dict):
+    """The run's own `evaluation.retention` block, then the command line on top."""
+    from omegaconf import OmegaConf
+
+    from calm_lightning.evaluation.retention import RetentionSettings
+
+    block = OmegaConf.select(run_cfg, "evaluation.retention", default=None)
+    values = OmegaConf.to_container(block, resolve=True) if block is not None else {}
+    values.setdefault("n_bins", OmegaConf.select(run_cfg, "evaluation.n_bins", default=10))
+    for key in ("tasks", "limit", "batch_size", "n_bins"):
+        if key in arguments:
+            values[key] = arguments[key]
+    tasks = values.get("tasks") or []
+    # Files the run named for tasks this evaluation does not run are no error here (those
+    # given on the command line are).
+    files = {k: v for k, v in (values.get("data_files") or {}).items() if v and k in tasks}
+    values["data_files"] = {**files, **(arguments.get("data_files") or {})}
+    settings = RetentionSettings.from_config(values, option="")
+    if not settings.enabled:
+        raise ConfigError(f"no retention tasks: pass tasks=[piqa,winogrande,...]\n{USAGE}")
+    return settings
+
+
+def _boolean(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"overwrite={value!r} is not true or false")
+
+
+def evaluate_run(
+    run_dir: str | Path,
+    arguments: dict | None = None,
+    out: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Retention of the saved run in `run_dir` (base row, then the method's when it changes
+    the model); returns the retention.json it wrote."""
+    from calm_lightning.evaluation.results import run_meta
+    from calm_lightning.evaluation.retention import (
+        RETENTION_DIR,
+        RETENTION_FILE,
+        evaluate_retention,
+        format_retention_table,
+        load_tasks,
+        write_retention,
+    )
+    from calm_lightning.export import inspect_run, load_base_model, target_dtype
+    from calm_lightning.models.calibrated_lm import CalibratedLM
+
+    run = inspect_run(run_dir, exporting=False)
+    settings = settings_for(run.cfg, arguments or {})
+    out = Path(out) if out else run.run_dir
+    target = out / RETENTION_FILE
+    if target.exists() and not overwrite:
+        raise ConfigError(
+            f"{target} exists; pass overwrite=true to replace it, or another out=<dir>"
+        )
+    # Data first: a missing file stops before the model loads.
+    tasks = load_tasks(settings, out / RETENTION_DIR)
+    loaded = load_base_model(run, target_dtype(run))
+    rows = {
+        "base": evaluate_retention(
+            CalibratedLM(loaded.model, None),
+            loaded.tokenizer,
+            tasks,
+            settings,
+            out / RETENTION_DIR / "base",
+        )
+    }
+    if run.method_class.changes_model:
+        calibrated = CalibratedLM.load(loaded.model, run.calibration_dir).eval()
+        rows[run.method] = evaluate_retention(
+            calibrated, loaded.tokenizer, tasks, settings, out / RETENTION_DIR / run.method
+        )
+    meta = {**run_meta(run.cfg), "run_dir": str(run.run_dir.resolve()), "source": "saved run"}
+    path = write_retention(out, rows, settings, meta)
+    print(f"\nretention of {run.run_dir} (lm-eval, zero-shot; {path})")
+    print(format_retention_table(rows))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; errors the user can fix print their message without a traceback."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(__doc__.split("\n\n")[0] + "\n\n" + USAGE)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    try:
+        arguments = parse_arguments(argv)
+        evaluate_run(
+            arguments.pop("run_dir"),
+            arguments,
+            out=arguments.pop("out", None),
+            overwrite=_boolean(arguments.pop("overwrite", False)),
+        )
+    except CalmLightningError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"\nerror: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
