@@ -144,14 +144,14 @@ class CalibrationDataModule(L.LightningDataModule):
         return self._test_collator
 
     def _instruction_loader(
-        self, split: str, batch_size: int, offset: int, shuffle: bool = True
+        self, split: str, batch_size: int, offset: int, shuffle: bool = True, collate_fn=None
     ) -> DataLoader:
         examples = [as_training_example(r) for r in self._load(split)]
         return DataLoader(
             examples,
             batch_size=batch_size,
             sampler=EpochShuffleSampler(len(examples), self.seed + offset) if shuffle else None,
-            collate_fn=self.train_collator,
+            collate_fn=collate_fn or self.train_collator,
             num_workers=self.num_workers,
             drop_last=shuffle and len(examples) >= batch_size,
         )
@@ -163,6 +163,13 @@ class CalibrationDataModule(L.LightningDataModule):
     def ordered_heldout_dataloader(self) -> DataLoader:
         """Every held-out example once, in file order (post-hoc fitting)."""
         return self._instruction_loader("heldout", self.eval_batch_size, offset=1, shuffle=False)
+
+    def surrogate_dataloader(self) -> DataLoader:
+        """Training batches in a shuffle of their own (seed offset 2; `sampler.set_epoch`
+        picks the permutation), for CALM's amortized surrogate refreshes. Its own collator
+        keeps the epoch's truncation counts to the epoch's batches."""
+        collator = InstructionCollator(self._require_tokenizer(), self.max_length)
+        return self._instruction_loader("train", self.batch_size, offset=2, collate_fn=collator)
 
     def heldout_dataloader(self) -> DataLoader:
         """Unlabeled-use inputs for the upper level (labels are collated but never needed)."""
