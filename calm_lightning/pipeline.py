@@ -70,6 +70,8 @@ def build_datamodule(cfg: DictConfig, tokenizer=None):
         eval_max_length=setting.eval_max_length,
         num_workers=setting.num_workers,
         seed=cfg.seed,
+        mcqa_format=cfg.evaluation.get("scoring", "letter"),
+        cloze_prompt=cfg.evaluation.get("cloze", {}).get("prompt", "chat"),
         **sources,
     )
 

@@ -1,6 +1,6 @@
 """Option-likelihood (cloze) MCQA scoring: the shared-prompt (KV reuse) path against direct
 per-option forwards, the head applied at every continuation token, the temperature fit through
-the same path, and the config-time refusal for methods that do not support it yet."""
+the same path, and end-to-end runs of base and ts (training methods: test_cloze_training.py)."""
 
 from __future__ import annotations
 
@@ -136,23 +136,11 @@ def test_cloze_temperature_fit_matches_scoring_through_the_head(tiny_loaded, tok
     assert fit.nll_after <= fit.nll_before + 1e-9
 
 
-@pytest.mark.parametrize("method", ["calm", "reg", "ls", "ic", "cape", "dual_align"])
-def test_methods_without_cloze_support_are_refused_at_config_time(method, compose, tmp_path):
-    from calm_lightning.pipeline import method_class
-
-    cfg = compose([f"method={method}", "evaluation.scoring=cloze"], tmp_path)
-    with pytest.raises(ConfigError, match=f"method={method} does not support .*scoring=cloze.*"):
-        method_class(cfg).check_requirements(cfg, {})
-    # The message says where cloze works and what to use instead.
-    with pytest.raises(ConfigError, match="base and ts so far; use evaluation.scoring=letter"):
-        method_class(cfg).check_requirements(cfg, {})
-
-
 def test_a_refused_pair_fails_before_any_model_loads(compose, tmp_path, monkeypatch):
     import calm_lightning.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "load_language_model", lambda *_: pytest.fail("model loaded"))
-    cfg = compose(["method=calm", "evaluation.scoring=cloze"], tmp_path)
+    cfg = compose(["method=cape", "evaluation.scoring=cloze"], tmp_path)
     with pytest.raises(ConfigError, match="cloze"):
         pipeline.run_experiment(cfg)
 

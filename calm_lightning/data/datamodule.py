@@ -72,8 +72,18 @@ class CalibrationDataModule(L.LightningDataModule):
         eval_max_length: int = 1024,
         num_workers: int = 0,
         seed: int = 0,
+        mcqa_format: str = "letter",
+        cloze_prompt: str = "chat",
     ) -> None:
+        """`mcqa_format`: how MCQA records train (and feed held-out objectives): `letter`
+        (answer with the option letter, the letter-scoring protocol) or `cloze` (the answer
+        text after the cloze prompt `cloze_prompt`, with all K options for option-level
+        objectives; `evaluation.scoring=cloze`)."""
         super().__init__()
+        if mcqa_format not in ("letter", "cloze"):
+            raise ConfigError(f"mcqa_format={mcqa_format!r} is not one of letter, cloze")
+        self.mcqa_format = mcqa_format
+        self.cloze_prompt = cloze_prompt
         self.tokenizer = tokenizer
         self.sources = {"train": train, "heldout": heldout, "test": test}
         self.batch_size = batch_size
@@ -85,6 +95,7 @@ class CalibrationDataModule(L.LightningDataModule):
         self.seed = seed
         self.records: dict[str, list] = {}
         self._train_collator: InstructionCollator | None = None
+        self._cloze_collator = None
         self._test_collator: MCQACollator | None = None
 
     def _require_tokenizer(self):
@@ -143,15 +154,39 @@ class CalibrationDataModule(L.LightningDataModule):
                 self._test_collator = MCQACollator(self._require_tokenizer(), self.eval_max_length)
         return self._test_collator
 
+    @property
+    def cloze_collator(self):
+        """MCQA training batches in the cloze format (answer text + all K option rows)."""
+        if self._cloze_collator is None:
+            from calm_lightning.evaluation.cloze import ClozeTrainingCollator
+
+            self._cloze_collator = ClozeTrainingCollator(
+                self._require_tokenizer(), self.cloze_prompt, self.max_length
+            )
+        return self._cloze_collator
+
     def _instruction_loader(
-        self, split: str, batch_size: int, offset: int, shuffle: bool = True, collate_fn=None
+        self, split: str, batch_size: int, offset: int, shuffle: bool = True, fresh=False
     ) -> DataLoader:
-        examples = [as_training_example(r) for r in self._load(split)]
+        """`fresh`: a collator of its own, whose truncation counts stay out of the summary."""
+        records = self._load(split)
+        if self.mcqa_format == "cloze" and records and isinstance(records[0], MCQARecord):
+            examples, collate = records, self.cloze_collator
+            if fresh:
+                from calm_lightning.evaluation.cloze import ClozeTrainingCollator
+
+                collate = ClozeTrainingCollator(
+                    self._require_tokenizer(), self.cloze_prompt, self.max_length
+                )
+        else:
+            examples, collate = [as_training_example(r) for r in records], self.train_collator
+            if fresh:
+                collate = InstructionCollator(self._require_tokenizer(), self.max_length)
         return DataLoader(
             examples,
             batch_size=batch_size,
             sampler=EpochShuffleSampler(len(examples), self.seed + offset) if shuffle else None,
-            collate_fn=collate_fn or self.train_collator,
+            collate_fn=collate,
             num_workers=self.num_workers,
             drop_last=shuffle and len(examples) >= batch_size,
         )
@@ -168,8 +203,7 @@ class CalibrationDataModule(L.LightningDataModule):
         """Training batches in a shuffle of their own (seed offset 2; `sampler.set_epoch`
         picks the permutation), for CALM's amortized surrogate refreshes. Its own collator
         keeps the epoch's truncation counts to the epoch's batches."""
-        collator = InstructionCollator(self._require_tokenizer(), self.max_length)
-        return self._instruction_loader("train", self.batch_size, offset=2, collate_fn=collator)
+        return self._instruction_loader("train", self.batch_size, offset=2, fresh=True)
 
     def heldout_dataloader(self) -> DataLoader:
         """Unlabeled-use inputs for the upper level (labels are collated but never needed)."""
@@ -204,6 +238,8 @@ class CalibrationDataModule(L.LightningDataModule):
             out[split] = dict(source.describe(), n=len(self.records.get(split, [])))
         if self._train_collator is not None:
             out["train_truncation"] = dict(self._train_collator.stats)
+        if self._cloze_collator is not None:
+            out["cloze_train_truncation"] = dict(self._cloze_collator.stats)
         if self._test_collator is not None:
             out["test_prompts_truncated"] = self._test_collator.truncated
         return out

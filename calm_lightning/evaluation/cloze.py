@@ -12,7 +12,7 @@ kept here as `score_cloze_separate` for the benchmark and the tests).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from scipy.optimize import minimize_scalar
 from scipy.special import logsumexp
 
 from calm_lightning.calibrators.temperature import BOUNDS, TemperatureFit
-from calm_lightning.data.collate import pad_left
+from calm_lightning.data.collate import IGNORE_INDEX, pad_left
 from calm_lightning.data.prompts import render_conversation
 from calm_lightning.evaluation.sampling import _cache_names, prefill_repeated
 from calm_lightning.models.calibrated_lm import positions_from_mask
@@ -209,6 +209,40 @@ def _scores(loglik: torch.Tensor, encoded, k: int) -> ClozeScores:
     )
 
 
+def separate_rows(encoded, pad_id: int) -> dict[str, torch.Tensor]:
+    """lm-eval's layout of a batch: one left-padded row of prompt + option per option (B * K
+    rows), and each row's continuation targets right-aligned with their mask (continuations
+    end every row under left padding)."""
+    rows = [ctx + c for ctx, cs, _ in encoded for c in cs]
+    conts = [c for _, cs, _ in encoded for c in cs]
+    width = max(len(c) for c in conts)
+    ids, mask = pad_left(rows, pad_id)
+    targets = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    cmask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, c in enumerate(conts):
+        targets[i, width - len(c) :] = torch.tensor(c, dtype=torch.long)
+        cmask[i, width - len(c) :] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "targets": targets,
+        "target_mask": cmask,
+        "n_tokens": torch.tensor([len(c) for c in conts], dtype=torch.float64),
+        "n_chars": torch.tensor([n for _, _, ns in encoded for n in ns], dtype=torch.float64),
+    }
+
+
+def separate_loglik(model, rows: dict[str, torch.Tensor], params=None) -> torch.Tensor:
+    """(B * K,) summed continuation log-likelihoods of `separate_rows` output under the
+    calibrated model; differentiable (training objectives use it), `params` as in
+    `CalibratedLM.raw_logits`."""
+    width = rows["targets"].shape[1]
+    logits = model.raw_logits(
+        rows["input_ids"], rows["attention_mask"], logits_to_keep=width + 1, params=params
+    )[:, :-1]
+    return _continuation_loglik(model, logits, rows["targets"], rows["target_mask"].double())
+
+
 @torch.no_grad()
 def score_cloze_separate(
     model,
@@ -222,20 +256,8 @@ def score_cloze_separate(
     one left-padded forward), logits kept only for the continuation positions."""
     encoded, k = _encode_batch(tokenizer, questions, choices, prompt, max_length)
     device = next(model.parameters()).device
-    rows = [ctx + c for ctx, cs, _ in encoded for c in cs]
-    conts = [c for _, cs, _ in encoded for c in cs]
-    width = max(len(c) for c in conts)
-    ids, mask = pad_left(rows, tokenizer.pad_token_id)
-    ids, mask = ids.to(device), mask.to(device)
-    logits = model.raw_logits(ids, mask, logits_to_keep=width + 1)[:, :-1]
-    # Continuations end every row (left padding): right-align targets and their mask.
-    targets = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    cmask = torch.zeros((len(rows), width), dtype=torch.double)
-    for i, c in enumerate(conts):
-        targets[i, width - len(c) :] = torch.tensor(c, dtype=torch.long)
-        cmask[i, width - len(c) :] = 1
-    loglik = _continuation_loglik(model, logits, targets.to(device), cmask.to(device))
-    return _scores(loglik, encoded, k)
+    rows = {k_: v.to(device) for k_, v in separate_rows(encoded, tokenizer.pad_token_id).items()}
+    return _scores(separate_loglik(model, rows), encoded, k)
 
 
 def temperature_scales(bounds: tuple[float, float], n: int = 49) -> torch.Tensor:
@@ -281,3 +303,54 @@ def fit_cloze_temperature(
         at_bound=at_bound,
         n=len(y),
     )
+
+
+@dataclass
+class ClozeTrainingCollator:
+    """MCQA training (or held-out) batches in the cloze format, so training sees the answer the
+    way cloze evaluation scores it:
+
+    * `input_ids` / `attention_mask` / `labels`: prompt + the gold option's continuation,
+      right-padded, labels -100 except on the continuation tokens (the answer text's
+      cross-entropy, an objective's `vocab` mode);
+    * `cloze`: `separate_rows` of all K options (an objective's `cloze` mode: the option
+      distribution by option likelihood, differentiable);
+    * `answers`: the gold option index.
+
+    The prompt loses tokens from the left so prompt + longest option fits `max_length`."""
+
+    tokenizer: object
+    prompt: str = "chat"
+    max_length: int = 512
+    stats: dict = field(default_factory=lambda: {"prompt_truncated": 0})
+
+    def __call__(self, records) -> dict:
+        encoded = []
+        for r in records:
+            ctx, conts, chars = encode_question(self.tokenizer, r.question, r.choices, self.prompt)
+            room = max(1, self.max_length - max(len(c) for c in conts))  # as encode_question
+            self.stats["prompt_truncated"] += int(len(ctx) > room)
+            encoded.append((ctx[-room:], conts, chars))
+        k = len(records[0].choices)
+        if any(len(r.choices) != k for r in records):
+            raise ValueError("cloze training needs the same number of options in every question")
+        answers = [r.answer for r in records]
+        gold = [(ctx, conts[a]) for (ctx, conts, _), a in zip(encoded, answers, strict=True)]
+        width = max(len(ctx) + len(cont) for ctx, cont in gold)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(records), width), pad, dtype=torch.long)
+        labels = torch.full((len(records), width), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(records), width), dtype=torch.long)
+        for i, (ctx, cont) in enumerate(gold):
+            n = len(ctx) + len(cont)
+            input_ids[i, :n] = torch.tensor(ctx + cont, dtype=torch.long)
+            labels[i, len(ctx) : n] = torch.tensor(cont, dtype=torch.long)
+            mask[i, :n] = 1
+        return {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "labels": labels,
+            "ids": [r.id for r in records],
+            "answers": torch.tensor(answers, dtype=torch.long),
+            "cloze": separate_rows(encoded, pad),
+        }

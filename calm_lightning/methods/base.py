@@ -81,8 +81,10 @@ class CalibrationMethod(L.LightningModule):
     # Whether `calibrate` changes the model: the run then scores the untouched model first
     # (the base row) and saves what changed under calibration/.
     changes_model: ClassVar[bool] = False
-    # Whether the method works with `evaluation.scoring=cloze` (option-likelihood scoring).
+    # Whether the method works with `evaluation.scoring=cloze` (option-likelihood scoring), and
+    # if not, why (shown with the refusal, before any model loads).
     supports_cloze: ClassVar[bool] = False
+    cloze_refusal: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -212,8 +214,8 @@ class CalibrationMethod(L.LightningModule):
             raise ConfigError(f"evaluation.scoring={scoring} is not one of {', '.join(SCORINGS)}")
         if scoring == "cloze" and not cls.supports_cloze:
             raise ConfigError(
-                f"method={method} does not support evaluation.scoring=cloze: option-likelihood "
-                "(cloze) scoring is available for base and ts so far; use "
+                f"method={method} does not support evaluation.scoring=cloze: "
+                f"{cls.cloze_refusal or 'it scores the option letters'}; use "
                 "evaluation.scoring=letter"
             )
         kind = getattr(sources.get("train"), "kind", None)

@@ -280,7 +280,7 @@ class CALM(TrainingMethod):
         super().on_fit_start()
         if str(self.trainer.precision) in FP16_PRECISIONS:
             raise ConfigError(FP16_REFUSAL)
-        self.lower_mode = self.resolve_mode("auto", "train")
+        self.lower_mode = self.answer_text_mode(self.resolve_mode("auto", "train"))
         self.upper_objective = self.resolve_mode(self.upper_objective, "heldout")
         self.set_option_ids(self.lower_mode, self.upper_objective)
 
@@ -295,6 +295,7 @@ class CALM(TrainingMethod):
                 raw = self.model.raw_logits(
                     batch["input_ids"], batch["attention_mask"], params=params
                 )
+            # The head stays outside no_grad: the alpha part of the residual needs its graph.
             logits, targets = adjusted_predictions(
                 self.model, raw, batch["labels"], mode, self.option_ids
             )
@@ -306,10 +307,7 @@ class CALM(TrainingMethod):
         """f(alpha, theta) = - mean entropy on a held-out batch (labels only locate responses)."""
 
         def upper() -> torch.Tensor:
-            raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
-            logits, _ = adjusted_predictions(
-                self.model, raw, batch["labels"], self.upper_objective, self.option_ids
-            )
+            logits, _ = self.scored(batch, self.upper_objective)
             return -mean_entropy(logits)
 
         return upper

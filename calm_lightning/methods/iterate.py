@@ -11,7 +11,7 @@ import torch
 
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.base import HEAD_CONFIGURED
-from calm_lightning.methods.objectives import adjusted_predictions, cross_entropy, mean_entropy
+from calm_lightning.methods.objectives import cross_entropy, mean_entropy
 from calm_lightning.methods.training import TrainingMethod, first_non_finite
 
 
@@ -56,20 +56,16 @@ class Iterate(TrainingMethod):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        self.lower_mode = self.resolve_mode("auto", "train")
+        self.lower_mode = self.answer_text_mode(self.resolve_mode("auto", "train"))
         self.upper_mode = self.resolve_mode("auto", "heldout")
         self.set_option_ids(self.lower_mode, self.upper_mode)
 
-    def _scored(self, batch: dict, mode: str):
-        raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
-        return adjusted_predictions(self.model, raw, batch["labels"], mode, self.option_ids)
-
     def lower_loss(self, batch: dict) -> torch.Tensor:
-        logits, targets = self._scored(batch, self.lower_mode)
+        logits, targets = self.scored(batch, self.lower_mode)
         return cross_entropy(logits, targets)
 
     def upper_loss(self, batch: dict) -> torch.Tensor:
-        logits, targets = self._scored(batch, self.upper_mode)
+        logits, targets = self.scored(batch, self.upper_mode)
         return self.ce_weight * cross_entropy(logits, targets) - mean_entropy(logits)
 
     def _step(self, loss: torch.Tensor, params: list, optimizer, name: str) -> None:

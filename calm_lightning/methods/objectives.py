@@ -8,10 +8,13 @@ which keeps the vocabulary-wide tensors as small as the response.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from calm_lightning.data.collate import IGNORE_INDEX
+from calm_lightning.evaluation.cloze import separate_loglik
 
 
 def response_positions(labels: torch.Tensor) -> torch.Tensor:
@@ -52,7 +55,7 @@ def first_response_positions(labels: torch.Tensor) -> torch.Tensor:
     return mask.float().argmax(dim=1)
 
 
-MODES = ("vocab", "options")
+MODES = ("vocab", "options", "cloze")
 
 
 def select_predictions(
@@ -67,7 +70,7 @@ def select_predictions(
     if mode == "vocab":
         return select_response_logits(raw, labels)
     if mode != "options":
-        raise ValueError(f"objective mode {mode!r} is not one of {MODES}")
+        raise ValueError(f"objective mode {mode!r} is not one of vocab, options here")
     rows = torch.arange(raw.shape[0], device=raw.device)
     slot = first_response_positions(labels)
     letters = labels[rows, slot + 1]
@@ -87,3 +90,53 @@ def adjusted_predictions(
     """`select_predictions` followed by the model's logit adjustment (fp32)."""
     rows, targets = select_predictions(raw, labels, mode, option_ids)
     return model.adjust(rows, option_ids if mode == "options" else None), targets
+
+
+@dataclass
+class ClozePredictions:
+    """A cloze-format MCQA batch scored by option likelihood (differentiable)."""
+
+    logits: torch.Tensor  # (B, K) fp32 option logits (summed log-likelihoods, per `normalize`)
+    targets: torch.Tensor  # (B,) gold option index
+    answer_ce: torch.Tensor  # token-mean cross-entropy of the gold options' continuation tokens
+
+
+def cloze_predictions(model, batch: dict, normalize: str = "none", params=None):
+    """The option distribution cloze evaluation scores, with gradients: each option's summed
+    log-probability of its continuation under the adjusted model (the head over the full
+    vocabulary at every token), from one forward of the batch's B * K prompt + option rows.
+    The same forward gives the answer text's cross-entropy (the gold rows' tokens)."""
+    if "cloze" not in batch:
+        raise ValueError(
+            "a cloze objective needs cloze-format MCQA batches (evaluation.scoring=cloze with "
+            "MCQA training / held-out data)"
+        )
+    rows = batch["cloze"]
+    answers = batch["answers"]
+    b = answers.shape[0]
+    loglik = separate_loglik(model, rows, params=params).view(b, -1)
+    k = loglik.shape[1]
+    gold = loglik[torch.arange(b, device=loglik.device), answers]
+    gold_tokens = rows["n_tokens"].view(b, k)[torch.arange(b), answers.cpu()].sum()
+    answer_ce = -(gold.sum() / gold_tokens.to(gold.device)).float()
+    lengths = {"none": None, "tokens": rows["n_tokens"], "chars": rows["n_chars"]}[normalize]
+    logits = loglik if lengths is None else loglik / lengths.clamp(min=1).view(b, k)
+    return ClozePredictions(logits.float(), answers, answer_ce)
+
+
+def predictions(
+    model,
+    batch: dict,
+    mode: str,
+    option_ids: torch.Tensor | None = None,
+    params=None,
+    normalize: str = "none",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adjusted logits an objective scores and their targets, whatever the mode: one
+    forward of the batch (`vocab`, `options`) or of its cloze rows (`cloze`: (B, K) option
+    logits, targets the gold options)."""
+    if mode == "cloze":
+        scored = cloze_predictions(model, batch, normalize, params)
+        return scored.logits, scored.targets
+    raw = model.raw_logits(batch["input_ids"], batch["attention_mask"], params=params)
+    return adjusted_predictions(model, raw, batch["labels"], mode, option_ids)

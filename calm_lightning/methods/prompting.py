@@ -44,6 +44,11 @@ class _RecordsByIdMixin:
 class InternalConsistency(CalibrationMethod):
     """Confidence = share of lens layers whose top option equals the final layer's."""
 
+    cloze_refusal = (
+        "internal consistency reads the logit lens restricted to the option letters at the "
+        "answer slot; a cloze option has no single position whose lens could vote"
+    )
+
     def __init__(
         self,
         model,
@@ -102,6 +107,11 @@ def permutation_average(records, score, kind: str = "cyclic") -> torch.Tensor:
 class CAPE(_RecordsByIdMixin, CalibrationMethod):
     """Option probabilities averaged over option re-orderings."""
 
+    cloze_refusal = (
+        "CAPE averages over option orders, and cloze scoring never shows the options in the "
+        "prompt, so every order gives the same scores (CAPE would equal base)"
+    )
+
     def __init__(self, model, tokenizer=None, permutations: str = "cyclic", **evaluation) -> None:
         super().__init__(model, tokenizer, **evaluation)
         option_orders(4, permutations)  # validate early
@@ -142,6 +152,11 @@ ELICITATION_INSTRUCTION = (
 
 class Elicitation(_RecordsByIdMixin, CalibrationMethod):
     """The PoLM states its answer letter and a confidence (greedy decoding)."""
+
+    cloze_refusal = (
+        "elicitation's confidence is the number the model writes, not a distribution scored "
+        "over the options, so there is nothing for option likelihood to score"
+    )
 
     def __init__(
         self,

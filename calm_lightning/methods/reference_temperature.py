@@ -59,6 +59,12 @@ class ReferenceTemperature(PosthocTemperature):
     installing T; subclasses define the loss."""
 
     needs_reference_model = True
+    cloze_refusal = (
+        "DACA and Dual-Align fit T on both models' logit lens over the option letters at the "
+        "answer slot (one forward per model), which option-likelihood scoring has no "
+        "counterpart for; fit them with letter scoring, or use method=ts for a temperature "
+        "fitted on the cloze distribution"
+    )
 
     def __init__(
         self,

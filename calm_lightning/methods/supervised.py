@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import move_data_to_device
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.objectives import (
     adjusted_predictions,
+    cloze_predictions,
     cross_entropy,
     mean_entropy,
     response_positions,
@@ -91,12 +92,20 @@ class SupervisedMethod(TrainingMethod):
         self.set_option_ids(self.mode)
 
     def scored_predictions(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(raw logits, scored logits, targets) of a training batch in this method's mode."""
+        """(answer cross-entropy, scored logits, targets) of a training batch in this method's
+        mode. The cross-entropy is next-token CE over every response token (for MCQA data the
+        answer letter's in letter mode, the answer text's in cloze mode), through the head."""
+        if self.mode == "cloze":
+            scored = cloze_predictions(self.model, batch, self.cloze.normalize)
+            return scored.answer_ce, scored.logits, scored.targets
         raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
         logits, targets = adjusted_predictions(
             self.model, raw, batch["labels"], self.mode, self.option_ids
         )
-        return raw, logits, targets
+        if self.mode == "vocab":
+            return cross_entropy(logits, targets), logits, targets
+        selected, next_tokens = select_response_logits(raw, batch["labels"])
+        return cross_entropy(self.model.adjust(selected), next_tokens), logits, targets
 
     def loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
@@ -155,8 +164,11 @@ class Regularization(SupervisedMethod):
         self.alpha_reg = float(alpha_reg)
 
     def loss(self, batch):
-        _, logits, targets = self.scored_predictions(batch)
-        ce, entropy = cross_entropy(logits, targets), mean_entropy(logits)
+        answer_ce, logits, targets = self.scored_predictions(batch)
+        # Letter mode: CE of the option letters; cloze mode: CE of the answer text, with the
+        # entropy of the cloze option distribution.
+        ce = answer_ce if self.mode == "cloze" else cross_entropy(logits, targets)
+        entropy = mean_entropy(logits)
         return ce - self.alpha_reg * entropy, {"ce": ce.item(), "entropy": entropy.item()}
 
 
@@ -210,7 +222,7 @@ class LabelSmoothing(SupervisedMethod):
     def loss(self, batch):
         _, logits, targets = self.scored_predictions(batch)
         accuracy = self._accuracy_of(batch, logits.shape[0], logits.device)
-        if self.mode == "options":
+        if self.mode in ("options", "cloze"):
             soft = smoothed_targets(targets, accuracy, logits.shape[-1])
             loss = soft_cross_entropy(logits, soft)
         else:
@@ -279,12 +291,7 @@ class CFT(SupervisedMethod):
         self.bin_count = count.to(self.device)
 
     def loss(self, batch):
-        raw, logits, targets = self.scored_predictions(batch)
-        if self.mode == "options":
-            selected, next_tokens = select_response_logits(raw, batch["labels"])
-            sft = cross_entropy(self.model.adjust(selected), next_tokens)
-        else:
-            sft = cross_entropy(logits, targets)  # the same response positions already
+        sft, logits, _ = self.scored_predictions(batch)
         cal = cft_calibration_loss(logits.float().softmax(-1), self.bin_accuracy, self.bin_count)
         loss = (1 - self.weight) * sft + self.weight * self.scale * cal
         return loss, {"sft": sft.item(), "cal": cal.item()}

@@ -11,6 +11,7 @@ import torch
 
 from calm_lightning.errors import CalmLightningError
 from calm_lightning.methods.base import CalibrationMethod
+from calm_lightning.methods.objectives import predictions
 
 
 class NonFiniteError(CalmLightningError):
@@ -60,6 +61,9 @@ class TrainingMethod(CalibrationMethod):
 
     uses_adapter = True
     changes_model = True
+    # With cloze scoring, MCQA training data trains on the answer text and option-level
+    # objectives read the cloze option distribution (`resolve_mode`, objectives.py).
+    supports_cloze = True
 
     def calibrate(self, trainer, datamodule, ckpt_path: str | None = None) -> dict:
         trainer.fit(self, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -110,10 +114,27 @@ class TrainingMethod(CalibrationMethod):
         return getattr(source, "kind", "instruction")
 
     def resolve_mode(self, requested: str, split: str) -> str:
-        """`auto` = option letters for MCQA data, the full vocabulary otherwise."""
-        if requested != "auto":
-            return requested
-        return "options" if self.data_kind(split) == "mcqa" else "vocab"
+        """`auto` = the option distribution for MCQA data, the full vocabulary otherwise. The
+        option distribution is the one evaluation scores: the option letters at the answer
+        slot (`options`) with letter scoring, option likelihood (`cloze`) with cloze scoring."""
+        mcqa = self.data_kind(split) == "mcqa"
+        if requested == "auto":
+            requested = "options" if mcqa else "vocab"
+        if requested == "options" and mcqa and self.scoring == "cloze":
+            return "cloze"
+        return requested
+
+    @staticmethod
+    def answer_text_mode(mode: str) -> str:
+        """A lower level's mode: on cloze-format MCQA data the lower level is the answer text's
+        cross-entropy (`vocab` over the gold option's tokens), not the option distribution's."""
+        return "vocab" if mode == "cloze" else mode
+
+    def scored(self, batch: dict, mode: str, params=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`objectives.predictions` with this method's option ids and cloze normalisation."""
+        return predictions(
+            self.model, batch, mode, self.option_ids, params=params, normalize=self.cloze.normalize
+        )
 
     def set_option_ids(self, *modes: str) -> None:
         """Look up the option letters' token ids (as training targets spell them) when any of
