@@ -530,13 +530,25 @@ def _regularization(tiny_loaded):
     return Regularization(CalibratedLM(lm, None), tiny_loaded.tokenizer, lr=1e-2, warmup_ratio=0)
 
 
-@pytest.mark.parametrize("method", ["calm", "reg"])
+def _iterate(tiny_loaded):
+    from calm_lightning.methods.iterate import Iterate
+
+    lm = wrap_with_lora(copy.deepcopy(tiny_loaded.model), {"r": 4, "lora_alpha": 8})
+    head = LogitAdjustment(lm.get_output_embeddings().weight.shape[0])
+    model = CalibratedLM(lm, head)
+    return Iterate(model, tiny_loaded.tokenizer, lower_steps=1, warmup_ratio=0.0)
+
+
+@pytest.mark.parametrize("method", ["calm", "reg", "iterate"])
 def test_max_steps_gives_that_many_outer_steps_batches_and_a_full_schedule(
     tiny_loaded, tmp_path, method
 ):
+    """Every training method steps its optimizers by hand; CALM (two optimizers per outer
+    step) and Iterate (one more per upper step) must still count one step per batch."""
     import lightning as L
 
-    module = _tiny_calm(tiny_loaded) if method == "calm" else _regularization(tiny_loaded)
+    build = {"calm": _tiny_calm, "reg": _regularization, "iterate": _iterate}[method]
+    module = build(tiny_loaded)
     batches = []
 
     class Count(L.Callback):
