@@ -357,12 +357,33 @@ def _copy_adapter(source: Path, target: Path, base_model_id: str | None) -> None
     config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def prompt_format(tokenizer, max_length: int) -> dict:
-    """How a multiple-choice prompt is built (data/prompts.py), spelled out for any user."""
+def prompt_format(tokenizer, max_length: int, scoring: str = "letter", cloze=None) -> dict:
+    """How a multiple-choice prompt is built and scored (data/prompts.py, evaluation/cloze.py),
+    spelled out for any user."""
     from calm_lightning.data.prompts import MCQA_INSTRUCTION, PLAIN_SYSTEM
 
     chat = bool(getattr(tokenizer, "chat_template", None))
+    if scoring == "cloze":
+        cloze = dict(cloze or {})
+        prompt = cloze.get("prompt", "chat")
+        return {
+            "scoring": "cloze",
+            "template": prompt,
+            "context": "tokenizer.apply_chat_template([{'role': 'user', 'content': question}, "
+            "{'role': 'assistant', 'content': option}], tokenize=False) cut where the option "
+            "text starts"
+            if prompt == "chat"
+            else "'Question: {question}\nAnswer:'",
+            "continuation": "'{option}'" if prompt == "chat" else "' {option}'",
+            "option_score": "sum over the continuation tokens of log softmax(z') of each token "
+            "(z' = the head applied to that position's logits), as lm-eval's loglikelihood",
+            "normalize": cloze.get("normalize", "none"),
+            "probabilities": "softmax over the options of the (normalized) option scores",
+            "add_special_tokens": False,
+            "max_length": max_length,
+        }
     return {
+        "scoring": "letter",
         "user_text": "{question}\n\n{options}\n\n" + MCQA_INSTRUCTION,
         "options": "one line per option, '{letter}. {text}', joined by '\\n'",
         "letters": "the option letters but the last joined by ', ', then ' or ' and the "
@@ -399,8 +420,9 @@ def calibration_info(run: RunToExport, tokenizer, head, merged: bool, dtype: str
             "l": "per-token bias (vector head) or one number (scalar head)",
             "c": CENTERS[head.center] if head is not None else None,
         },
-        "probabilities": "softmax(z') over the vocabulary when generating; over the option "
-        "letters' token ids at the answer slot for multiple-choice scoring",
+        "probabilities": "softmax(z') over the vocabulary when generating; for multiple-choice "
+        "scoring see `prompt` (the option letters' token ids at the answer slot, or each "
+        "option text's likelihood)",
     }
     option_tokens = run.metrics.get("option_tokens")
     from calm_lightning import __version__
@@ -423,7 +445,12 @@ def calibration_info(run: RunToExport, tokenizer, head, merged: bool, dtype: str
         },
         "base_model": run.base_model_id,
         "option_tokens": option_tokens,
-        "prompt": prompt_format(tokenizer, int(run.cfg.setting.get("eval_max_length") or 1024)),
+        "prompt": prompt_format(
+            tokenizer,
+            int(run.cfg.setting.get("eval_max_length") or 1024),
+            str(run.cfg.get("evaluation", {}).get("scoring", "letter")),
+            run.cfg.get("evaluation", {}).get("cloze"),
+        ),
         "run": {
             "model": run.cfg.model.name,
             "setting": run.cfg.setting.name,

@@ -51,8 +51,24 @@ class CalibratedModel:
 
     @torch.no_grad()
     def option_probabilities(self, question: str, options: list[str]) -> list[float]:
-        """Calibrated probabilities of the options, in their order: the run's chat-templated
-        MCQA prompt, the option letters' next-token logits through the head, a softmax."""
+        """Calibrated probabilities of the options, in their order, scored as the run scored
+        them: the option letters' next-token logits after the chat-templated MCQA prompt, or
+        (cloze runs) each option text's likelihood after the question; through the head, then
+        a softmax."""
+        prompt = self.calibration.get("prompt", {})
+        if prompt.get("scoring") == "cloze":
+            from calm_lightning.evaluation.cloze import score_cloze
+
+            scores = score_cloze(
+                self._scorer,
+                self.tokenizer,
+                [question],
+                [list(options)],
+                prompt.get("template", "chat"),
+                prompt.get("max_length"),
+            )
+            logits = scores.logits(prompt.get("normalize", "none"))
+            return torch.softmax(logits, dim=-1)[0].tolist()
         record = MCQARecord(id="question", question=question, choices=tuple(options), answer=0)
         max_length = self.calibration.get("prompt", {}).get("max_length") or 1024
         batch = MCQACollator(self.tokenizer, max_length=max_length)([record])

@@ -68,9 +68,12 @@ def test_method_setting_files_set_only_keys_the_code_reads():
         assert (CONF / "setting" / f"{setting}.yaml").is_file(), path.name
         node, cls = _method(method)
         override = OmegaConf.to_container(OmegaConf.load(path)).get("method", {})
-        assert set(override) <= {"module", "epochs"}, path.name
+        assert set(override) <= {"module", "epochs", "head"}, path.name
         if "epochs" in override:
             assert issubclass(cls, TrainingMethod), path.name
+        if "head" in override:  # only a method that tunes a configured head reads it
+            assert cls.head == HEAD_CONFIGURED, path.name
+            assert set(override["head"]) <= set(node["head"]), path.name
         unknown = set(override.get("module", {})) - accepted_arguments(cls)
         assert not unknown, f"{path.name}: {cls.__name__} takes no {sorted(unknown)}"
 
@@ -127,6 +130,7 @@ def _malformed_training_overrides(tmp_path: Path) -> list[str]:
     return [
         "model=tiny",
         "method=calm",
+        "setting=demo",  # instruction training data
         "setting.train._target_=calm_lightning.data.sources.LocalFileSource",
         "~setting.train.split",
         f"+setting.train.files=[{bad}]",

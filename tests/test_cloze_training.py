@@ -221,3 +221,14 @@ def test_training_methods_train_and_evaluate_in_cloze_mode(method, compose, tmp_
     rows = [json.loads(line) for line in (tmp_path / "predictions.jsonl").open()]
     assert all(abs(sum(r["probs"]) - 1) < 1e-5 for r in rows)
     assert result.comparison["base"]["nll"] != pytest.approx(result.metrics["nll"], abs=1e-7)
+
+
+def test_the_embedded_model_defaults_to_cloze_and_hub_models_to_letters(compose, tmp_path):
+    default = compose([], tmp_path)
+    assert (default.evaluation.scoring, default.evaluation.cloze.prompt) == ("cloze", "plain")
+    assert default.setting.name == "demo_id" and default.method.name == "calm"
+    for model in ("olmo2", "tiny"):
+        cfg = compose([f"model={model}"], tmp_path)
+        assert (cfg.evaluation.scoring, cfg.evaluation.cloze.prompt) == ("letter", "chat")
+    # The command line still decides.
+    assert compose(["evaluation.scoring=letter"], tmp_path).evaluation.scoring == "letter"

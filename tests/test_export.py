@@ -467,3 +467,22 @@ def test_command_line_prints_the_error_without_traceback(tmp_path):
     assert done.returncode == 1
     assert "error: run_dir=" in done.stderr and "no such run directory" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_cloze_run_exports_its_scoring_and_load_calibrated_reproduces_it(tmp_path, compose):
+    """A cloze-scored CALM run: calibration.json says how options were scored, and
+    load_calibrated's option probabilities equal the run's predictions (cloze path)."""
+    from calm_lightning import load_calibrated
+
+    run_dir = tmp_path / "cloze_run"
+    overrides = [*TINY_CALM, "evaluation.scoring=cloze", "evaluation.cloze.prompt=plain"]
+    overrides = [o for o in overrides if not o.startswith("setting.test.limit")]
+    run_experiment(compose([*overrides, "setting.test.limit=4"], run_dir))
+    folder = export_run(run_dir, tmp_path / "cloze_export")
+    prompt = json.loads((folder / "calibration.json").read_text())["prompt"]
+    assert prompt["scoring"] == "cloze" and prompt["template"] == "plain"
+    assert prompt["continuation"] == "' {option}'" and prompt["normalize"] == "none"
+    records = EmbeddedDemoSource("mcqa", "test", limit=4).load()
+    calibrated = load_calibrated(folder, device="cpu")
+    probs = [calibrated.option_probabilities(r.question, list(r.choices)) for r in records]
+    np.testing.assert_allclose(np.array(probs), _predictions(run_dir), atol=1e-5)

@@ -142,7 +142,9 @@ def test_demo_base_evaluation_on_the_embedded_model(tmp_path, compose):
     from calm_lightning.data.prompts import mcqa_user_text, render_prompt
     from calm_lightning.models.loading import load_language_model
 
-    cfg = compose(["method=base", "trainer.enable_progress_bar=false"], tmp_path)
+    # Letter scoring, checked by hand below (the embedded model's default is cloze).
+    overrides = ["method=base", "evaluation.scoring=letter", "trainer.enable_progress_bar=false"]
+    cfg = compose(overrides, tmp_path)
     metrics = run_experiment(cfg).metrics
     records = EmbeddedDemoSource("mcqa", "test").load()
     _check_run_outputs(tmp_path, metrics, len(records))

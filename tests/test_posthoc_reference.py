@@ -303,6 +303,7 @@ def test_dual_align_with_the_embedded_model_as_polm(tmp_path, compose):
         "reference_model=tiny_plm",
         "reference_model.tiny.num_layers=30",  # SmolLM2-135M's depth
         "method=dual_align",
+        "evaluation.scoring=letter",  # Dual-Align reads the option letters' lens
         "setting=demo_posthoc",
         "setting.test.source.limit=40",
         "trainer.enable_progress_bar=false",

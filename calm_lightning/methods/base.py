@@ -171,8 +171,15 @@ class CalibrationMethod(L.LightningModule):
     def cloze_logits(self, batch: dict) -> torch.Tensor:
         """(B, K) float64 option logits by option likelihood under the calibrated model, per
         `evaluation.cloze.normalize`; records lm-eval's acc_norm choice on the side."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
         scores = score_cloze(
-            self.model, self.tokenizer, batch["questions"], batch["choices"], self.cloze.prompt
+            self.model,
+            self.tokenizer,
+            batch["questions"],
+            batch["choices"],
+            self.cloze.prompt,
+            # The setting's longest MCQA prompt, as letter scoring cuts it (from the left).
+            getattr(datamodule, "eval_max_length", None),
         )
         self._acc_norm_rows.append((scores.acc_norm_predictions(), batch["labels"].cpu()))
         return scores.logits(self.cloze.normalize)

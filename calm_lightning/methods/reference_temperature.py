@@ -61,9 +61,10 @@ class ReferenceTemperature(PosthocTemperature):
     needs_reference_model = True
     cloze_refusal = (
         "DACA and Dual-Align fit T on both models' logit lens over the option letters at the "
-        "answer slot (one forward per model), which option-likelihood scoring has no "
-        "counterpart for; fit them with letter scoring, or use method=ts for a temperature "
-        "fitted on the cloze distribution"
+        "answer slot; Dual-Align's layer-wise alignment has no cloze counterpart (no single "
+        "position per option) and a cloze DACA (both models' option likelihoods, T at every "
+        "token) is not implemented. Fit them with letter scoring, or use method=ts for a "
+        "temperature fitted on the cloze distribution"
     )
 
     def __init__(

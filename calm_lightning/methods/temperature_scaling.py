@@ -93,6 +93,7 @@ class TemperatureScaling(PosthocTemperature):
                     batch["choices"],
                     self._scales,
                     self.cloze.prompt,
+                    getattr(self.trainer.datamodule, "eval_max_length", None),
                 )
                 self._rows.append((scores, lse))
                 self._targets.append(batch["labels"].cpu())
