@@ -1,8 +1,15 @@
-"""Cost of one CALM outer step against plain LoRA fine-tuning, measured in one run.
+"""Cost of CALM against plain LoRA fine-tuning and against Regularization, measured in one run.
 
-Prints two ratios (targets from issue 3):
+Prints, per outer step (targets from issue 3):
   time   = CALM outer step / (plain LoRA step x (T + 3))       target <= 1.1
   memory = CALM peak memory / plain LoRA peak memory             target <= 1.25
+and per epoch (issue 17), CALM epoch time / Regularization (`reg`) epoch time on the same
+batches, for the per-step surrogate at T = --epoch-inner-steps (paper: 20) and for the
+amortized one at the paper's settings (T = 20 inner steps over 20 distinct batches, once per
+epoch); target for amortized <= 3.4 (the paper's ratio), memory <= 1.25x plain. Every outer
+step of a schedule costs the same on same-shaped batches, so an epoch of N batches is
+composed from measured step times: reg N x step, per_step N x outer step, amortized one
+refresh step + (N - 1) x outer step between refreshes (printed for several N).
 
 Each measurement runs in its own subprocess, so a peak is that mode's alone. Timing workers
 (plain and CALM alternating, `--repeats` times, medians) run with the default allocator. On
@@ -14,6 +21,7 @@ RSS 1.35x plain while the live peak was ~1.1x). The default-allocator peaks are 
 
     python benchmarks/calm_step.py                      # embedded SmolLM2, T = 5, batch 4 x 256
     python benchmarks/calm_step.py --model tiny --inner-steps 3 --steps 2   # seconds, a smoke run
+    python benchmarks/calm_step.py --batch 2 --seq 128 --steps 1 --repeats 1  # ~25 min on 2 cores
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ MODELS = {
     },
     "tiny": {"name": "tiny", "source": "tiny", "tiny": {"embedding_scale": 30.0}},
 }
+
+
+WORKERS = ["plain", "calm", "reg", "per_step", "amortized"]
 
 
 def _rss_mb() -> float:
@@ -64,6 +75,7 @@ def worker(args) -> dict:
 
     from calm_lightning.methods.calm import CALM
     from calm_lightning.methods.objectives import cross_entropy, select_response_logits
+    from calm_lightning.methods.supervised import Regularization
     from calm_lightning.models.calibrated_lm import CalibratedLM
     from calm_lightning.models.loading import load_language_model
     from calm_lightning.models.logit_adjustment import LogitAdjustment
@@ -77,44 +89,77 @@ def worker(args) -> dict:
     )
     lm.train()
     head = LogitAdjustment(lm.get_output_embeddings().weight.shape[0]).to(device)
-    module = CALM(CalibratedLM(lm, head), loaded.tokenizer, inner_steps=args.inner_steps)
+    epoch_mode = args.worker in ("per_step", "amortized")
+    T = args.epoch_inner_steps if epoch_mode else args.inner_steps
+    surrogate = (
+        {"schedule": "amortized", "refresh_every": 10**9} if args.worker == "amortized" else None
+    )
+    module = CALM(CalibratedLM(lm, head), loaded.tokenizer, inner_steps=T, surrogate=surrogate)
     module.upper_objective = "vocab"
-    train = {k: v.to(device) for k, v in _batch(loaded.tokenizer, args.batch, args.seq, 0).items()}
-    heldout = {
-        k: v.to(device) for k, v in _batch(loaded.tokenizer, args.batch, args.seq, 1).items()
-    }
+
+    def on_device(seed: int) -> dict:
+        return {
+            k: v.to(device) for k, v in _batch(loaded.tokenizer, args.batch, args.seq, seed).items()
+        }
+
+    # The same sequence of distinct batches for every mode; the held-out batch is fixed.
+    batches = [on_device(2 + i) for i in range(max(T, args.steps + 2))]
+    train, heldout = batches[0], on_device(1)
+    # The amortized refresh reads the T - 1 batches after the current one.
+    module.surrogate_batches = lambda n: batches[1 : n + 1]
     names, theta = module._theta()
     baseline = _rss_mb()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         cuda_base = torch.cuda.memory_allocated()
     times = []
-    if args.worker == "plain":
+    extra: dict = {}
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    if args.worker in ("plain", "reg"):
         optimizer = torch.optim.AdamW(theta, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.02)
-        for _ in range(args.steps + 1):
-            start = time.perf_counter()
-            raw = module.model.raw_logits(train["input_ids"], train["attention_mask"])
-            selected, targets = select_response_logits(raw, train["labels"])
-            cross_entropy(selected, targets).backward()
+        reg = Regularization(CalibratedLM(lm, None), loaded.tokenizer, alpha_reg=1e-5)
+
+        def plain_step(batch):
+            if args.worker == "reg":  # CE - alpha_reg * entropy of the same logits, one pass
+                loss, _ = reg.loss(batch)
+            else:
+                raw = module.model.raw_logits(batch["input_ids"], batch["attention_mask"])
+                selected, targets = select_response_logits(raw, batch["labels"])
+                loss = cross_entropy(selected, targets)
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+
+        for i in range(args.steps + 1):
+            times.append(
+                timed(lambda i=i: plain_step(batches[i] if args.worker == "reg" else train))
+            )
     else:
         opt_theta = torch.optim.AdamW(theta, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.02)
         opt_alpha = torch.optim.AdamW(module._alpha(), lr=1e-5, betas=(0.9, 0.95))
-        for _ in range(args.steps + 1):
-            start = time.perf_counter()
-            module.bilevel_update(train, heldout, opt_theta, opt_alpha)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+
+        def outer(batch):
+            module.bilevel_update(batch, heldout, opt_theta, opt_alpha)
+
+        for i in range(args.steps + 1):
+            times.append(timed(lambda i=i: outer(batches[i] if epoch_mode else train)))
+        if args.worker == "amortized":
+            # Step 0 refreshed (T inner steps), the others did not. Its time includes the
+            # one-off allocations of a first step, so the refresh cost is slightly overstated.
+            extra["refresh_s"] = times[0]
     result = {
         "mode": args.worker,
         "step_s": statistics.median(times[1:]),  # the first step pays one-off allocation
         "peak_rss_mb": _peak_rss_mb(),
         "loaded_rss_mb": baseline,
+        **extra,
     }
     if device.type == "cuda":
         result["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -132,7 +177,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--dropout", type=float, default=0.01, help="LoRA dropout (paper 0.01)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    parser.add_argument("--worker", choices=["plain", "calm"], help=argparse.SUPPRESS)
+    parser.add_argument("--epoch-inner-steps", type=int, default=20, help="T of the epoch part")
+    parser.add_argument(
+        "--epoch-batches", type=int, nargs="+", default=[20, 100, 1000],
+        help="epoch sizes (batches) to compose epoch ratios for",
+    )  # fmt: skip
+    parser.add_argument("--no-epoch", action="store_true", help="skip the epoch comparison")
+    parser.add_argument("--epoch-only", action="store_true", help="only the epoch comparison")
+    parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
         import torch
@@ -144,8 +196,10 @@ def main() -> None:
 
     passthrough = [a for a in sys.argv[1:] if not a.startswith("--worker")]
 
-    def run_worker(mode: str, extra_env: dict | None = None, steps: int | None = None) -> dict:
-        args_ = [sys.executable, __file__, *passthrough, "--worker", mode]
+    def run_worker(
+        mode: str, extra_env: dict | None = None, steps: int | None = None, extra_args=()
+    ) -> dict:
+        args_ = [sys.executable, __file__, *passthrough, "--worker", mode, *extra_args]
         if steps is not None:
             args_ += ["--steps", str(steps)]
         env = dict(os.environ, **(extra_env or {}))
@@ -155,6 +209,15 @@ def main() -> None:
             sys.exit(f"{mode} worker failed:\n{done.stderr[-3000:]}")
         return json.loads(lines[-1][len("RESULT ") :])
 
+    if args.epoch_only:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+        mem_key = "cuda_peak_mb" if on_gpu else "peak_rss_mb"
+        env = {} if on_gpu else {"MALLOC_MMAP_THRESHOLD_": "65536"}
+        plain = run_worker("plain", env, steps=1)
+        epoch_comparison(args, run_worker, on_gpu, plain[mem_key], mem_key)
+        return
     timing: dict[str, list[dict]] = {"plain": [], "calm": []}
     for repeat in range(args.repeats):
         for mode in ("plain", "calm"):
@@ -205,6 +268,48 @@ def main() -> None:
         print(
             f"  default glibc allocator (freed heap kept): plain {default_plain:.0f} MiB, "
             f"CALM {default_calm:.0f} MiB (ratio {default_calm / default_plain:.3f})"
+        )
+    if not args.no_epoch:
+        epoch_comparison(args, run_worker, on_gpu, memory["plain"][mem_key], mem_key)
+
+
+def epoch_comparison(args, run_worker, on_gpu: bool, plain_mem: float, mem_key: str) -> None:
+    """CALM epoch / Regularization epoch on the same batches, both schedules (issue 17)."""
+    T = args.epoch_inner_steps
+    runs = {}
+    for mode in ("reg", "per_step", "amortized"):
+        runs[mode] = run_worker(mode)
+        print(f"epoch timing {mode:9s}: {runs[mode]['step_s']:.2f} s/step", flush=True)
+    reg_s, per_step_s = runs["reg"]["step_s"], runs["per_step"]["step_s"]
+    between_s, refresh_s = runs["amortized"]["step_s"], runs["amortized"]["refresh_s"]
+    peaks = {}
+    for mode in ("reg", "per_step", "amortized"):
+        # CPU: memory workers at T <= 3. Neither schedule's peak grows with T (every inner step
+        # makes fresh tensors and frees the last; a refresh holds T - 1 token-id batches).
+        env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+        small_t = ["--epoch-inner-steps", str(min(T, 3))]
+        measured = runs[mode] if on_gpu else run_worker(mode, env, steps=1, extra_args=small_t)
+        peaks[mode] = measured[mem_key]
+    print()
+    print(f"epoch comparison, T={T}, batch={args.batch}x{args.seq}, same batches for every mode")
+    print(f"reg step                  {reg_s:8.2f} s")
+    print(f"per_step outer step       {per_step_s:8.2f} s  (= {per_step_s / reg_s:.2f} reg steps)")
+    print(f"amortized outer step      {between_s:8.2f} s  (= {between_s / reg_s:.2f} reg steps)")
+    print(
+        f"amortized refresh step    {refresh_s:8.2f} s  (= {refresh_s / reg_s:.2f} reg steps, "
+        f"once per epoch)"
+    )
+    for n in args.epoch_batches:
+        amortized = (refresh_s + (n - 1) * between_s) / (n * reg_s)
+        print(
+            f"epoch ratio vs reg, N={n:5d} batches: per_step {per_step_s / reg_s:6.2f}   "
+            f"amortized {amortized:5.2f}   (target amortized <= 3.4)"
+        )
+    print(f"epoch ratio vs reg, N -> inf:          amortized {between_s / reg_s:5.2f}")
+    for mode in ("reg", "per_step", "amortized"):
+        print(
+            f"peak memory {mode:9s} {peaks[mode]:.0f} MiB = {peaks[mode] / plain_mem:.3f} x plain "
+            f"(target <= 1.25)"
         )
 
 

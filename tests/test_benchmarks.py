@@ -26,9 +26,18 @@ def test_calm_step_benchmark_runs_on_the_tiny_model():
     out = _run(
         "calm_step.py",
         *("--model", "tiny", "--inner-steps", "2", "--steps", "1"),
-        *("--repeats", "1", "--seq", "32", "--batch", "2"),
+        *("--repeats", "1", "--seq", "32", "--batch", "2", "--no-epoch"),
     )
     assert "time ratio" in out and "memory ratio" in out
+
+
+def test_calm_epoch_benchmark_runs_on_the_tiny_model():
+    out = _run(
+        "calm_step.py",
+        *("--model", "tiny", "--epoch-inner-steps", "3", "--steps", "1", "--epoch-only"),
+        *("--seq", "32", "--batch", "2", "--epoch-batches", "20"),
+    )
+    assert "epoch ratio vs reg, N=   20" in out and "peak memory amortized" in out
 
 
 def test_sampling_benchmark_runs_on_the_tiny_model():

@@ -275,3 +275,294 @@ def test_entropy_matches_the_textbook_formula():
     assert mean_entropy(z).item() == pytest.approx(expected.item(), rel=1e-5)
     uniform = torch.zeros(3, 16)
     assert mean_entropy(uniform).item() == pytest.approx(float(torch.log(torch.tensor(16.0))))
+
+
+# ----- inner step and surrogate schedules -----
+
+
+def test_adam_inner_steps_match_torch_adam_with_fresh_moments():
+    """inner_optimizer=adam: theta~ after T steps equals torch.optim.Adam (no weight decay)
+    started afresh at theta, on the quadratic g = 1/2 |theta - A alpha|^2."""
+    A = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
+    theta = torch.tensor([0.5, -1.0], requires_grad=True)
+    alpha = torch.tensor([0.3, 0.7], requires_grad=True)
+
+    def lower(surrogate, track):
+        t = theta if surrogate is None else surrogate[0]
+        return 0.5 * (t - A @ alpha).pow(2).sum()
+
+    T, rho, betas = 4, 0.1, (0.9, 0.95)
+    grads = bilevel_gradients(
+        [theta], [alpha], lower, lambda: theta.sum(), T, rho,
+        inner_optimizer="adam", betas=betas, keep_surrogate=True,
+    )  # fmt: skip
+    reference = theta.detach().clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([reference], lr=rho, betas=betas, eps=1e-8)
+    target = (A @ alpha).detach()
+    for _ in range(T):
+        optimizer.zero_grad()
+        (0.5 * (reference - target).pow(2).sum()).backward()
+        optimizer.step()
+    torch.testing.assert_close(grads.surrogate[0], reference.detach())
+    expected_g_tilde = 0.5 * float((reference.detach() - target).pow(2).sum())
+    assert grads.g_surrogate.item() == pytest.approx(expected_g_tilde, rel=1e-6)
+
+
+def test_a_stored_surrogate_takes_no_inner_step():
+    """inner_losses=[] with a start: theta~ is the start itself, q = g(theta) - g(start)."""
+    theta = torch.tensor([1.0, 2.0], requires_grad=True)
+    alpha = torch.tensor([0.5], requires_grad=True)
+
+    def lower(surrogate, track):
+        t = theta if surrogate is None else surrogate[0]
+        return ((t - alpha) ** 2).sum()
+
+    start = [torch.tensor([0.0, 0.5])]
+    grads = bilevel_gradients(
+        [theta], [alpha], lower, lambda: theta.sum(), 3, 0.1, inner_losses=[], start=start
+    )
+    assert grads.q.item() == pytest.approx((0.5**2 + 1.5**2) - (0.5**2 + 0.0**2))
+    # grad_alpha q = -2 sum(theta - alpha) + 2 sum(start - alpha)
+    expected = -2 * (0.5 + 1.5) + 2 * (-0.5 + 0.0)
+    torch.testing.assert_close(grads.grad_q[1], torch.tensor([expected]))
+
+
+def _train_batches(tokenizer, n: int) -> list[dict]:
+    datamodule = _datamodule(tokenizer)
+    datamodule.setup("fit")
+    batches = [b for b, _, _ in datamodule.train_dataloader()]
+    return batches[:n]
+
+
+def _run_outer_steps(module: CALM, batches: list[dict], feed=None) -> list:
+    """Outer steps through `bilevel_update` with plain AdamW optimizers (no trainer)."""
+    module.upper_objective = "vocab"
+    _, theta = module._theta()
+    opt_theta = module.adamw(theta, module.lower_lr)
+    opt_alpha = module.adamw(module._alpha(), module.upper_lr)
+    out = []
+    for batch in batches:
+        if feed is not None:
+            feed(batch)
+        out.append(module.bilevel_update(batch["train"], batch["heldout"], opt_theta, opt_alpha))
+    return out
+
+
+def test_amortized_refreshed_every_step_on_the_same_batch_equals_per_step(tiny_loaded):
+    batches = _train_batches(tiny_loaded.tokenizer, 3)
+    torch.manual_seed(0)  # the same LoRA initialisation for both
+    per_step = _tiny_calm(tiny_loaded, inner_steps=3, lower_lr=0.05)
+    torch.manual_seed(0)
+    amortized = _tiny_calm(
+        tiny_loaded,
+        inner_steps=3,
+        lower_lr=0.05,
+        surrogate={"schedule": "amortized", "refresh_every": 1},
+    )
+    initial = _snapshot(per_step)
+    asked = []
+
+    def same_batch(batch):
+        # The refresh's T - 1 extra batches are this step's batch again.
+        def provide(n):
+            asked.append(n)
+            return [batch["train"]] * n
+
+        amortized.surrogate_batches = provide
+
+    assert all(torch.equal(v, _snapshot(amortized)[n]) for n, v in initial.items())
+    torch.manual_seed(1)  # the same LoRA dropout masks for both
+    _run_outer_steps(per_step, batches)
+    torch.manual_seed(1)
+    _run_outer_steps(amortized, batches, feed=same_batch)
+    assert asked == [2, 2, 2]
+    a, b = _snapshot(per_step), _snapshot(amortized)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not all(torch.equal(a[n], initial[n]) for n in a)
+
+
+def test_amortized_surrogate_is_stored_unchanged_between_refreshes(tiny_loaded):
+    batches = _train_batches(tiny_loaded.tokenizer, 4) * 2  # 8 outer steps
+    module = _tiny_calm(
+        tiny_loaded, inner_steps=2, surrogate={"schedule": "amortized", "refresh_every": 3}
+    )
+    others = _train_batches(tiny_loaded.tokenizer, 4)[1:]
+    refreshed_at = []
+    module.surrogate_batches = lambda n: (
+        refreshed_at.append(module.outer_step) or [b["train"] for b in others[:n]]
+    )
+    names, theta = module._theta()
+    stored, expected = [], []
+
+    def check(batch):
+        if module.surrogate is not None:
+            stored.append([t.clone() for t in module.surrogate])
+            live = {p.data_ptr() for p in theta}
+            assert not any(t.data_ptr() in live for t in module.surrogate)
+        if module.outer_step == 4:  # between refreshes: g(alpha, stored theta~) by hand
+            with torch.no_grad():
+                expected.append(module.lower_loss_fn(batch["train"], names)(stored[-1], False))
+
+    results = _run_outer_steps(module, batches, feed=check)
+    assert refreshed_at == [0, 3, 6] and module.refreshes == 3
+    # stored[k] = theta~ held as step k + 1 starts: fitted at step 0 for k = 0, 1, 2, at
+    # step 3 for k = 3, 4, 5, at step 6 for k = 6.
+    for before, after in ((0, 1), (1, 2), (3, 4), (4, 5)):
+        assert all(torch.equal(x, y) for x, y in zip(stored[before], stored[after], strict=True))
+    for before, after in ((2, 3), (5, 6)):
+        assert not all(
+            torch.equal(x, y) for x, y in zip(stored[before], stored[after], strict=True)
+        )
+    # At a step between refreshes, g(theta~) is the stored tensors on this step's batch.
+    grads, _ = results[4]
+    assert grads.g_surrogate.item() == pytest.approx(expected[0].item(), rel=1e-6)
+
+
+def test_amortized_refreshes_once_per_epoch_by_default_over_distinct_batches(tiny_loaded, tmp_path):
+    import lightning as L
+
+    module = _tiny_calm(tiny_loaded, inner_steps=3, surrogate={"schedule": "amortized"})
+    seen = []
+    original = module.surrogate_batches
+
+    def record(n):
+        batches = original(n)
+        seen.append((module.outer_step, [tuple(b["ids"]) for b in batches]))
+        return batches
+
+    module.surrogate_batches = record
+    trainer = L.Trainer(
+        max_epochs=2, limit_train_batches=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        accelerator="cpu",
+    )  # fmt: skip
+    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    assert [step for step, _ in seen] == [0, 3]  # the first outer step of each epoch
+    for _, ids in seen:
+        flat = [i for batch in ids for i in batch]
+        assert len(ids) == 2 and len(set(flat)) == len(flat)  # T - 1 distinct batches
+    assert seen[0][1] != seen[1][1]  # each refresh reads batches of its own
+
+
+def test_inner_drop_is_g_theta_minus_g_surrogate_by_hand(tiny_loaded, tmp_path):
+    """per_step: the logged inner drop is g(theta) - g(theta~) with theta~ after T SGD steps
+    of size inner_lr (not lower_lr) on the step's batch, computed here by hand."""
+    import lightning as L
+
+    from calm_lightning.methods.objectives import adjusted_predictions, cross_entropy
+
+    module = _tiny_calm(tiny_loaded, inner_steps=3, lower_lr=1e-3, inner_lr=0.5)
+    captured = {}
+
+    class Capture(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            names, theta = pl_module._theta()
+            captured["theta"] = {n: p.detach().clone() for n, p in zip(names, theta, strict=True)}
+            captured["batch"] = batch["train"]
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            captured["drop"] = float(trainer.callback_metrics["calm/inner_drop"])
+            captured["q"] = float(trainer.callback_metrics["calm/q"])
+
+    trainer = L.Trainer(
+        max_epochs=1, limit_train_batches=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        accelerator="cpu", callbacks=[Capture()],
+    )  # fmt: skip
+    head = {k: v.detach().clone() for k, v in module.model.head.state_dict().items()}
+    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    module.model.head.load_state_dict(head)  # alpha as it was during the step
+    batch = captured["batch"]
+
+    def g(params):
+        raw = module.model.raw_logits(batch["input_ids"], batch["attention_mask"], params=params)
+        logits, targets = adjusted_predictions(module.model, raw, batch["labels"], "vocab", None)
+        return cross_entropy(logits, targets)
+
+    surrogate = {k: v.clone().requires_grad_(True) for k, v in captured["theta"].items()}
+    for _ in range(3):
+        grads = torch.autograd.grad(g(surrogate), list(surrogate.values()))
+        surrogate = {
+            k: (v - 0.5 * gr).detach().requires_grad_(True)
+            for (k, v), gr in zip(surrogate.items(), grads, strict=True)
+        }
+    with torch.no_grad():
+        expected = g(captured["theta"]) - g(surrogate)
+    assert captured["drop"] == pytest.approx(expected.item(), rel=1e-4)
+    assert captured["drop"] == pytest.approx(captured["q"])  # per_step: the drop is q
+    assert expected.item() > 1e-3  # inner_lr 0.5 moved the surrogate (1e-3 would barely)
+
+
+def test_amortized_surrogate_goes_into_the_checkpoint(tiny_loaded, tmp_path):
+    module = _tiny_calm(tiny_loaded, surrogate={"schedule": "amortized", "refresh_every": 10})
+    trainer = _trainer(tmp_path, steps=2)
+    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    path = tmp_path / "c.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    names, _ = module._theta()
+    saved = checkpoint["calm_surrogate"]
+    assert list(saved["tensors"]) == names and saved["step"] == 0
+    fresh = _tiny_calm(tiny_loaded, surrogate={"schedule": "amortized", "refresh_every": 10})
+    fresh.on_load_checkpoint(checkpoint)
+    assert fresh.refreshes == 1 and fresh.surrogate_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(fresh.surrogate, module.surrogate, strict=True))
+
+
+@pytest.mark.parametrize(
+    "surrogate", [{"schedule": "sometimes"}, {"schedule": "amortized", "refresh_every": 0},
+                  {"schedule": "amortized", "every": 2}],
+)  # fmt: skip
+def test_bad_surrogate_settings_are_refused(tiny_loaded, surrogate):
+    from calm_lightning.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="surrogate"):
+        _tiny_calm(tiny_loaded, surrogate=surrogate)
+
+
+# ----- step budgets count outer steps -----
+
+
+def _regularization(tiny_loaded):
+    from calm_lightning.methods.supervised import Regularization
+
+    lm = wrap_with_lora(copy.deepcopy(tiny_loaded.model), {"r": 4, "lora_alpha": 8})
+    return Regularization(CalibratedLM(lm, None), tiny_loaded.tokenizer, lr=1e-2, warmup_ratio=0)
+
+
+def _iterate(tiny_loaded):
+    from calm_lightning.methods.iterate import Iterate
+
+    lm = wrap_with_lora(copy.deepcopy(tiny_loaded.model), {"r": 4, "lora_alpha": 8})
+    head = LogitAdjustment(lm.get_output_embeddings().weight.shape[0])
+    model = CalibratedLM(lm, head)
+    return Iterate(model, tiny_loaded.tokenizer, lower_steps=1, warmup_ratio=0.0)
+
+
+@pytest.mark.parametrize("method", ["calm", "reg", "iterate"])
+def test_max_steps_gives_that_many_outer_steps_batches_and_a_full_schedule(
+    tiny_loaded, tmp_path, method
+):
+    """Every training method steps its optimizers by hand; CALM (two optimizers per outer
+    step) and Iterate (one more per upper step) must still count one step per batch."""
+    import lightning as L
+
+    build = {"calm": _tiny_calm, "reg": _regularization, "iterate": _iterate}[method]
+    module = build(tiny_loaded)
+    batches = []
+
+    class Count(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            batches.append(batch_idx)
+
+    trainer = L.Trainer(
+        max_steps=3, max_epochs=5, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        accelerator="cpu", callbacks=[Count()],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))  # 4 batches per epoch
+    assert len(batches) == 3 and module.outer_step == 3 and trainer.global_step == 3
+    for scheduler in trainer.lr_scheduler_configs:
+        assert scheduler.scheduler.last_epoch == 3
+        # warmup_ratio 0: the cosine over 3 steps has reached its end (min_lr_ratio 0).
+        assert scheduler.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)

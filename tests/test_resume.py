@@ -41,16 +41,28 @@ def _probs(run_dir) -> np.ndarray:
     return np.array([json.loads(r)["probs"] for r in rows])
 
 
-def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, compose):
-    full = run_experiment(compose(RUN, tmp_path / "full")).metrics
+# Amortized surrogate fitted once (at the first outer step, over 2 distinct batches) and used
+# through both epochs: the resumed run must take it from the checkpoint.
+AMORTIZED = [
+    "method.module.inner_steps=2",
+    "method.module.surrogate.schedule=amortized",
+    "method.module.surrogate.refresh_every=100",
+    "method.module.inner_lr=5.0",  # a surrogate far from theta, so which one is used shows
+]
+
+
+@pytest.mark.parametrize("extra", [[], AMORTIZED], ids=["per_step", "amortized"])
+def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, compose, extra):
+    run = [*RUN, *extra]
+    full = run_experiment(compose(run, tmp_path / "full")).metrics
     killed = compose(
-        [*RUN, "+callbacks.kill._target_=tests.test_resume.KillAtSecondEpoch"], tmp_path / "killed"
+        [*run, "+callbacks.kill._target_=tests.test_resume.KillAtSecondEpoch"], tmp_path / "killed"
     )
     with pytest.raises(RuntimeError, match="simulated kill"):
         run_experiment(killed)
     assert (tmp_path / "killed" / "checkpoints" / "last.ckpt").is_file()
     resumed = run_experiment(
-        compose([*RUN, f"ckpt_path={tmp_path / 'killed'}"], tmp_path / "resumed")
+        compose([*run, f"ckpt_path={tmp_path / 'killed'}"], tmp_path / "resumed")
     ).metrics
     # Parameters, optimizer moments, schedules and batches at the resume point are bit-equal
     # to the uninterrupted run's; BLAS summation order can still differ in the last bits

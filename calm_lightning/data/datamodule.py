@@ -166,13 +166,22 @@ class CalibrationDataModule(L.LightningDataModule):
         return self._cloze_collator
 
     def _instruction_loader(
-        self, split: str, batch_size: int, offset: int, shuffle: bool = True
+        self, split: str, batch_size: int, offset: int, shuffle: bool = True, fresh=False
     ) -> DataLoader:
+        """`fresh`: a collator of its own, whose truncation counts stay out of the summary."""
         records = self._load(split)
         if self.mcqa_format == "cloze" and records and isinstance(records[0], MCQARecord):
             examples, collate = records, self.cloze_collator
+            if fresh:
+                from calm_lightning.evaluation.cloze import ClozeTrainingCollator
+
+                collate = ClozeTrainingCollator(
+                    self._require_tokenizer(), self.cloze_prompt, self.max_length
+                )
         else:
             examples, collate = [as_training_example(r) for r in records], self.train_collator
+            if fresh:
+                collate = InstructionCollator(self._require_tokenizer(), self.max_length)
         return DataLoader(
             examples,
             batch_size=batch_size,
@@ -189,6 +198,12 @@ class CalibrationDataModule(L.LightningDataModule):
     def ordered_heldout_dataloader(self) -> DataLoader:
         """Every held-out example once, in file order (post-hoc fitting)."""
         return self._instruction_loader("heldout", self.eval_batch_size, offset=1, shuffle=False)
+
+    def surrogate_dataloader(self) -> DataLoader:
+        """Training batches in a shuffle of their own (seed offset 2; `sampler.set_epoch`
+        picks the permutation), for CALM's amortized surrogate refreshes. Its own collator
+        keeps the epoch's truncation counts to the epoch's batches."""
+        return self._instruction_loader("train", self.batch_size, offset=2, fresh=True)
 
     def heldout_dataloader(self) -> DataLoader:
         """Unlabeled-use inputs for the upper level (labels are collated but never needed)."""

@@ -100,7 +100,9 @@ class Iterate(TrainingMethod):
             upper = self.upper_loss(batch["heldout"])
             for group in opt_alpha.param_groups:
                 group["lr"] = self.upper_lr * self.lr_factor(self.outer_step - 1)
-            self._step(upper, alpha, opt_alpha, "upper loss")
+            # Past Lightning's wrapper: `global_step` (trainer.max_steps, step checkpoints)
+            # then counts training batches, not batches plus upper steps.
+            self._step(upper, alpha, getattr(opt_alpha, "optimizer", opt_alpha), "upper loss")
             logs["iterate/upper_loss"] = upper.item()
             logs.update({f"iterate/{k}": v for k, v in self.model.head.summary().items()})
         self.log_dict(logs, on_step=True, on_epoch=False)
