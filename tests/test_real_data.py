@@ -194,7 +194,8 @@ def test_settings_produce_the_expected_loaders(
 
 
 def test_id_training_target_is_the_answer_letter(tmp_path, tokenizer, compose, id_overrides):
-    cfg = compose(id_overrides, tmp_path)
+    # Letter scoring (the embedded model's default is cloze: test_cloze_training.py).
+    cfg = compose([*id_overrides, "evaluation.scoring=letter"], tmp_path)
     datamodule = build_datamodule(cfg, tokenizer)
     datamodule.setup("fit")
     batch, _, _ = next(iter(datamodule.train_dataloader()))
