@@ -91,10 +91,11 @@ class SupervisedMethod(TrainingMethod):
         self.mode = self.resolve_mode(self.objective, "train")
         self.set_option_ids(self.mode)
 
-    def scored_predictions(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(answer cross-entropy, scored logits, targets) of a training batch in this method's
-        mode. The cross-entropy is next-token CE over every response token (for MCQA data the
-        answer letter's in letter mode, the answer text's in cloze mode), through the head."""
+    def scored_predictions(self, batch: dict, answer_ce: bool = False):
+        """(answer cross-entropy or None, scored logits, targets) of a training batch in this
+        method's mode. The cross-entropy (next-token CE over every response token through the
+        head: the answer letter's in letter mode, the answer text's in cloze mode) comes free
+        in cloze mode (same forward); otherwise it is computed only when `answer_ce` asks."""
         if self.mode == "cloze":
             scored = cloze_predictions(self.model, batch, self.cloze.normalize)
             return scored.answer_ce, scored.logits, scored.targets
@@ -102,6 +103,8 @@ class SupervisedMethod(TrainingMethod):
         logits, targets = adjusted_predictions(
             self.model, raw, batch["labels"], self.mode, self.option_ids
         )
+        if not answer_ce:
+            return None, logits, targets
         if self.mode == "vocab":
             return cross_entropy(logits, targets), logits, targets
         selected, next_tokens = select_response_logits(raw, batch["labels"])
@@ -167,7 +170,7 @@ class Regularization(SupervisedMethod):
         answer_ce, logits, targets = self.scored_predictions(batch)
         # Letter mode: CE of the option letters; cloze mode: CE of the answer text, with the
         # entropy of the cloze option distribution.
-        ce = answer_ce if self.mode == "cloze" else cross_entropy(logits, targets)
+        ce = answer_ce if answer_ce is not None else cross_entropy(logits, targets)
         entropy = mean_entropy(logits)
         return ce - self.alpha_reg * entropy, {"ce": ce.item(), "entropy": entropy.item()}
 
@@ -291,7 +294,7 @@ class CFT(SupervisedMethod):
         self.bin_count = count.to(self.device)
 
     def loss(self, batch):
-        sft, logits, _ = self.scored_predictions(batch)
+        sft, logits, _ = self.scored_predictions(batch, answer_ce=True)
         cal = cft_calibration_loss(logits.float().softmax(-1), self.bin_accuracy, self.bin_count)
         loss = (1 - self.weight) * sft + self.weight * self.scale * cal
         return loss, {"sft": sft.item(), "cal": cal.item()}
