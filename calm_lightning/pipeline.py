@@ -19,6 +19,7 @@ import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from calm_lightning.distributed import is_main_process
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.results import format_table, run_meta
 from calm_lightning.evaluation.retention import (
@@ -35,6 +36,7 @@ from calm_lightning.method_settings import applied_method_setting, log_method_se
 from calm_lightning.methods.base import CalibrationMethod
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.loading import LoadedModel, load_language_model
+from calm_lightning.resolvers import in_multirun
 from calm_lightning.timing import Stopwatch
 
 # Manual-optimization methods (CALM) checkpoint the state after their update on purpose: a
@@ -123,23 +125,47 @@ def checkpoint_path(cfg: DictConfig) -> str | None:
 
 
 def evaluate(trainer, module, datamodule, out: Path, cfg: DictConfig, method_name: str) -> dict:
-    """Score the test split with the module as it is now and write its result files."""
+    """Score the test split with the module as it is now and write its result files (under
+    DDP every process scores its share; the gathered predictions are written once)."""
     trainer.test(module, datamodule=datamodule, verbose=False)
     metrics = module.predictions.report(cfg.evaluation.n_bins)
-    meta = {**run_meta(cfg), "method": method_name}
-    title = f"{cfg.model.name} / {method_name} / {cfg.setting.name}"
-    module.predictions.write(out, metrics, meta, title=title)
+    if is_main_process():
+        meta = {**run_meta(cfg), "method": method_name}
+        title = f"{cfg.model.name} / {method_name} / {cfg.setting.name}"
+        module.predictions.write(out, metrics, meta, title=title)
     return metrics
+
+
+def check_world_size(trainer, retention: RetentionSettings) -> None:
+    """Refuse what does not run on several processes yet, before any work starts."""
+    if trainer.world_size == 1:
+        return
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if in_multirun() and not getattr(environment, "creates_processes_externally", False):
+        raise ConfigError(
+            f"--multirun with {trainer.world_size} processes per job on this machine: "
+            "Lightning starts the other processes by re-running the command line, which would "
+            "start the whole sweep again. Run the jobs one at a time (a loop over single "
+            "runs), or launch them through SLURM: hydra/launcher=slurm_ddp (docs/scaling.md)"
+        )
+    if retention.enabled:
+        raise ConfigError(
+            "evaluation.retention runs lm-eval on one process: with "
+            f"{trainer.world_size} processes, drop evaluation.retention.tasks and run "
+            "`python -m calm_lightning.retention run_dir=<this run>` afterwards"
+        )
 
 
 def run_experiment(cfg: DictConfig) -> RunResult:
     """Run one (model, method, setting): compose, seed, build, calibrate, evaluate, write."""
     # compose: the resolved config and whatever a method_setting file changed, said up front
     out = Path(cfg.paths.output_dir)
+    main = is_main_process()  # under DDP only rank 0 writes files and prints the tables
     out.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)
     method_setting = applied_method_setting(cfg)
-    log_method_setting(method_setting)
+    if main:
+        OmegaConf.save(cfg, out / "config_resolved.yaml", resolve=True)
+        log_method_setting(method_setting)
     # seed
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     # build: every data source is read and validated before any model is loaded
@@ -163,6 +189,7 @@ def run_experiment(cfg: DictConfig) -> RunResult:
         loggers = build_loggers(cfg, resume_from=ckpt_path)
         callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node]
         trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+        check_world_size(trainer, retention)
         rows: dict[str, dict] = {}
         if module.changes_model and cfg.evaluation.get("compare_with_base", True):
             # Before calibration the adapters are zero and the head is the identity: this is
@@ -182,7 +209,8 @@ def run_experiment(cfg: DictConfig) -> RunResult:
         # calibrate
         with stopwatch.phase("calibrate"):
             fitted = module.calibrate(trainer, datamodule, ckpt_path)
-        if module.changes_model:
+        main = trainer.is_global_zero
+        if module.changes_model and main:
             module.save_calibration(out / "calibration")
         # evaluate
         with stopwatch.phase("evaluate"):
@@ -198,6 +226,8 @@ def run_experiment(cfg: DictConfig) -> RunResult:
                     out / RETENTION_DIR / cfg.method.name,
                 )
         # write
+        if not main:
+            return RunResult(metrics=metrics, comparison=rows, output_dir=out)
         _add_to_metrics_file(
             out,
             {

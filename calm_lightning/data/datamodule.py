@@ -8,12 +8,12 @@ import logging
 from pathlib import Path
 
 import lightning as L
-import torch
 from torch.utils.data import DataLoader
 
 from calm_lightning.data.collate import InstructionCollator, MCQACollator, OpenQACollator
 from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, openqa_user_text
 from calm_lightning.data.records import InstructionRecord, MCQARecord, OpenQARecord
+from calm_lightning.distributed import ShardedBatchSampler
 from calm_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -32,28 +32,6 @@ def as_training_example(record: MCQARecord | InstructionRecord | OpenQARecord) -
         output=OPTION_LETTERS[record.answer],
         id=record.id,
     )
-
-
-class EpochShuffleSampler(torch.utils.data.Sampler):
-    """A permutation that depends only on (seed, epoch).
-
-    Lightning calls `set_epoch` at every epoch start, so a run resumed from an epoch-end
-    checkpoint sees exactly the batches an uninterrupted run would have seen (a generator
-    carried along inside the loader would restart from its seed instead).
-    """
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed, self.epoch = n, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(torch.randperm(self.n, generator=generator).tolist())
-
-    def __len__(self) -> int:
-        return self.n
 
 
 class CalibrationDataModule(L.LightningDataModule):
@@ -182,13 +160,19 @@ class CalibrationDataModule(L.LightningDataModule):
             examples, collate = [as_training_example(r) for r in records], self.train_collator
             if fresh:
                 collate = InstructionCollator(self._require_tokenizer(), self.max_length)
+        if not shuffle:  # every example once on every process (initial-model passes, fits)
+            return DataLoader(
+                examples,
+                batch_size=batch_size,
+                collate_fn=collate,
+                num_workers=self.num_workers,
+            )
+        # Each process takes its slice of the same global batches (distributed.py).
+        sampler = ShardedBatchSampler(
+            len(examples), batch_size, shuffle=True, seed=self.seed + offset, drop_last=True
+        )
         return DataLoader(
-            examples,
-            batch_size=batch_size,
-            sampler=EpochShuffleSampler(len(examples), self.seed + offset) if shuffle else None,
-            collate_fn=collate,
-            num_workers=self.num_workers,
-            drop_last=shuffle and len(examples) >= batch_size,
+            examples, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers
         )
 
     def ordered_train_dataloader(self) -> DataLoader:
@@ -221,10 +205,15 @@ class CalibrationDataModule(L.LightningDataModule):
         )
 
     def test_dataloader(self) -> DataLoader:
+        # Under DDP the processes score whole batches in turn: the very batches one process
+        # would score, so the gathered predictions do not depend on the world size.
+        records = self._load("test")
+        sampler = ShardedBatchSampler(
+            len(records), self.eval_batch_size, shuffle=False, shard="round_robin"
+        )
         return DataLoader(
-            self._load("test"),
-            batch_size=self.eval_batch_size,
-            shuffle=False,
+            records,
+            batch_sampler=sampler,
             collate_fn=self.test_collator,
             num_workers=self.num_workers,
         )

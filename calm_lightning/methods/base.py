@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import move_data_to_device
 
 from calm_lightning.data.prompts import OPTION_LETTERS
 from calm_lightning.data.records import OpenQARecord
+from calm_lightning.distributed import gather_objects, world
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.cloze import ClozeSettings, score_cloze
 from calm_lightning.evaluation.mcqa import OptionTokens, choose_option_tokens, score_options
@@ -66,6 +67,22 @@ class MCQAPredictions:
     def write(self, directory, metrics: dict, meta: dict, title: str = "") -> dict:
         """Result files under `directory` (metrics.json, predictions.jsonl, reliability.png)."""
         return write_mcqa_results(directory, self, metrics, meta, title=title)
+
+
+def unique_by_id(items: list, key) -> list:
+    """`items` without repeats of an id already seen (first occurrence kept, order kept).
+
+    The project's test loader never repeats a question; a sampler that pads shards to equal
+    length (Lightning's DistributedSampler, if `use_distributed_sampler` is switched on)
+    would, and each question must count once."""
+    seen: set = set()
+    out = []
+    for item in items:
+        k = key(item)
+        if k not in seen:
+            seen.add(k)
+            out.append(item)
+    return out
 
 
 class CalibrationMethod(L.LightningModule):
@@ -135,9 +152,6 @@ class CalibrationMethod(L.LightningModule):
         dataset = self._test_loader().dataset
         self._open_ended = len(dataset) > 0 and isinstance(dataset[0], OpenQARecord)
         if self._open_ended:
-            # Every evaluation draws the same random stream (common random numbers for the
-            # base-versus-method comparison in one run).
-            self._generator = torch.Generator(device=self.device).manual_seed(self.openqa.seed)
             return
         if self.scoring == "cloze":
             self.option_tokens = CLOZE_OPTION_TOKENS
@@ -149,15 +163,46 @@ class CalibrationMethod(L.LightningModule):
             )
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
+        # The test loader hands whole batches to the processes in turn (data module): this
+        # is the batch's index in the single-process order, whatever the world size.
+        rank, size = world()
+        index = batch_idx * size + rank
         if self._open_ended:
-            self._test_rows += score_openqa_batch(
-                self.model, self.tokenizer, batch, self.openqa, self._generator
-            )
+            # Each batch draws from its own stream, seeded by its index: the same samples on
+            # any number of processes, and for base and method in one run (common random
+            # numbers for their comparison).
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(self.openqa.seed * 1_000_003 + index)
+            rows = score_openqa_batch(self.model, self.tokenizer, batch, self.openqa, generator)
+            self._test_rows.append((index, rows))
             return
+        before = len(self._acc_norm_rows)
         probs, predicted = self.option_probabilities(batch)
+        acc_norm = self._acc_norm_rows[before:]  # what cloze scoring recorded for this batch
+        del self._acc_norm_rows[before:]
         self._test_rows.append(
-            (list(batch["ids"]), probs.double().cpu(), batch["labels"].cpu(), predicted)
+            (
+                index,
+                (
+                    list(batch["ids"]),
+                    probs.double().cpu(),
+                    batch["labels"].cpu(),
+                    None if predicted is None else predicted.cpu(),
+                    [(a.cpu(), y.cpu()) for a, y in acc_norm],
+                ),
+            )
         )
+
+    def _n_test(self) -> int:
+        return len(self._test_loader().dataset)
+
+    def _gathered_rows(self) -> list:
+        """Every process's test batches (one process: its own), in single-process order."""
+        entries = [e for rows in gather_objects(self._test_rows) for e in rows]
+        n_global = getattr(self._test_loader().batch_sampler, "n_global", None)
+        if n_global is not None:  # drop the copies idle processes scored (distributed.py)
+            entries = [e for e in entries if e[0] < n_global]
+        return [rows for _, rows in sorted(entries, key=lambda e: e[0])]
 
     def option_probabilities(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, K) option probabilities and, for methods that state their answer apart from
@@ -185,25 +230,38 @@ class CalibrationMethod(L.LightningModule):
         return scores.logits(self.cloze.normalize)
 
     def on_test_epoch_end(self) -> None:
+        batches = self._gathered_rows()
         if self._open_ended:
-            self.predictions = OpenQAPredictions(self._test_rows, self.openqa)
+            rows = [r for batch in batches for r in batch]
+            if len(rows) > self._n_test():
+                rows = unique_by_id(rows, lambda r: r["id"])
+            self.predictions = OpenQAPredictions(rows, self.openqa)
         else:
-            self.predictions = self._mcqa_predictions()
+            self.predictions = self._mcqa_predictions(batches)
         metrics = self.predictions.report(self.n_bins)
         self.log_dict({f"test/{k}": float(v) for k, v in metrics.items()}, sync_dist=False)
         self._test_rows = []
 
-    def _mcqa_predictions(self) -> MCQAPredictions:
-        ids = [i for rows, _, _, _ in self._test_rows for i in rows]
-        probs = torch.cat([p for _, p, _, _ in self._test_rows]).numpy()
-        labels = torch.cat([y for _, _, y, _ in self._test_rows]).numpy()
-        stated = [a for _, _, _, a in self._test_rows]
-        predicted = None if stated[0] is None else torch.cat(stated).cpu().numpy()
+    def _mcqa_predictions(self, batches: list) -> MCQAPredictions:
+        ids = [i for rows, _, _, _, _ in batches for i in rows]
+        probs = torch.cat([p for _, p, _, _, _ in batches]).numpy()
+        labels = torch.cat([y for _, _, y, _, _ in batches]).numpy()
+        stated = [a for _, _, _, a, _ in batches]
+        predicted = None if stated[0] is None else torch.cat(stated).numpy()
+        acc_norm = [row for *_, rows in batches for row in rows]
+        keep = list(range(len(ids)))
+        if len(ids) > self._n_test():  # a padding sampler repeated questions: count each once
+            keep = unique_by_id(keep, ids.__getitem__)
+            ids = [ids[i] for i in keep]
+            probs, labels = probs[keep], labels[keep]
+            predicted = None if predicted is None else predicted[keep]
         extra = {}
-        if self.scoring == "cloze" and self._acc_norm_rows:
+        if self.scoring == "cloze" and acc_norm:
             # lm-eval's acc_norm (argmax of log-likelihood per character), whatever normalize is.
-            chosen = torch.cat([p for p, _ in self._acc_norm_rows])
-            gold = torch.cat([y for _, y in self._acc_norm_rows])
+            chosen = torch.cat([p for p, _ in acc_norm])
+            gold = torch.cat([y for _, y in acc_norm])
+            if len(keep) < len(chosen):
+                chosen, gold = chosen[keep], gold[keep]
             extra["acc_norm"] = float((chosen == gold).double().mean())
         return MCQAPredictions(ids, probs, labels, self.option_tokens, predicted, extra)
 

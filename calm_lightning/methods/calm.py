@@ -27,10 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
+from calm_lightning.distributed import GlobalMean
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.base import HEAD_CONFIGURED
 from calm_lightning.methods.bome import bome_direction
-from calm_lightning.methods.objectives import adjusted_predictions, cross_entropy, mean_entropy
+from calm_lightning.methods.objectives import (
+    adjusted_predictions,
+    cross_entropy,
+    mean_entropy,
+    objective_count,
+)
 from calm_lightning.methods.training import (
     TrainingMethod,
     clamp_,
@@ -118,6 +124,7 @@ def bilevel_gradients(
     inner_optimizer: str = "sgd",
     betas=(0.9, 0.95),
     keep_surrogate: bool = False,
+    mean: GlobalMean | None = None,
 ) -> BilevelGradients:
     """The gradients of one CALM outer step, independent of what the model is.
 
@@ -131,6 +138,12 @@ def bilevel_gradients(
     list: theta~ = `start` as given, the amortized schedule between refreshes). A first step
     from theta on `lower_loss` itself reuses pass 1's gradient. The residual is always
     measured on the current batch: q = g(alpha, theta) - g(alpha, stopgrad theta~).
+
+    Under data parallelism (`mean`, a `GlobalMean`) every loss value and gradient is the
+    global batch's before it is used, each rank weighted by the items its loss averages over
+    (a loss's `count` attribute, e.g. `BatchLoss`): the inner steps, the residual, grad f and
+    so lambda and the direction are the same on every rank and equal one process's on the
+    concatenated batch.
     """
     if inner_losses is None:
         if inner_steps < 1:
@@ -145,8 +158,10 @@ def bilevel_gradients(
     # Pass 1 at theta, alpha live: grad_theta g is grad_theta q (and the first inner step's
     # gradient when that step is on this batch from theta); grad_alpha g(alpha, theta) is the
     # residual's first alpha term.
+    mean = mean or GlobalMean()
     g = lower_loss(None, True)
     grads = torch.autograd.grad(g, theta + alpha, allow_unused=True)
+    g, grads = mean.both(g, grads, _count(lower_loss))
     g_theta, g_alpha = list(grads[:n_theta]), list(grads[n_theta:])
 
     surrogate = [t.detach() for t in (theta if start is None else start)]
@@ -158,15 +173,34 @@ def bilevel_gradients(
                 tensor.requires_grad_(True)
             loss = loss_fn(surrogate, True)
             step_grads = torch.autograd.grad(loss, surrogate, allow_unused=True)
+            step_grads = mean.gradients(step_grads, _count(loss_fn))
         surrogate = step(surrogate, step_grads)
     g_surrogate = lower_loss(surrogate, False)
     g_alpha_surrogate = torch.autograd.grad(g_surrogate, alpha, allow_unused=True) if alpha else ()
+    g_surrogate, g_alpha_surrogate = mean.both(g_surrogate, g_alpha_surrogate, _count(lower_loss))
     grad_q = g_theta + [_sub(a, b) for a, b in zip(g_alpha, g_alpha_surrogate, strict=True)]
     kept = [t.detach() for t in surrogate] if keep_surrogate else None
     del surrogate, g_alpha, g_alpha_surrogate, step  # free before the entropy pass, the last peak
     f = upper_loss()
-    grad_f = list(torch.autograd.grad(f, theta + alpha, allow_unused=True))
+    grad_f = torch.autograd.grad(f, theta + alpha, allow_unused=True)
+    f, grad_f = mean.both(f, grad_f, _count(upper_loss))
     return BilevelGradients(grad_f, grad_q, g.detach(), g_surrogate.detach(), f.detach(), kept)
+
+
+def _count(loss_fn) -> int:
+    """Items (tokens, questions) a loss averages over on this rank: its weight in the
+    global mean (1 for plain callables, which only single-process code passes)."""
+    return getattr(loss_fn, "count", 1)
+
+
+class BatchLoss:
+    """A loss on one batch that knows how many items it averages over (`count`)."""
+
+    def __init__(self, fn: Callable, count: int) -> None:
+        self.fn, self.count = fn, int(count)
+
+    def __call__(self, *args):
+        return self.fn(*args)
 
 
 # The direction is written into .grad by hand; fp16 loss scaling would unscale gradients that
@@ -183,6 +217,7 @@ class CALM(TrainingMethod):
     """The CALM LightningModule (manual optimization, two AdamW optimizers)."""
 
     head = HEAD_CONFIGURED  # alpha = (d, l), `method.head`
+    supports_fsdp = False  # gradients by torch.autograd.grad (see TrainingMethod)
 
     def __init__(
         self,
@@ -301,7 +336,7 @@ class CALM(TrainingMethod):
             )
             return cross_entropy(logits, targets)
 
-        return lower
+        return BatchLoss(lower, objective_count(batch, mode))
 
     def upper_loss_fn(self, batch: dict):
         """f(alpha, theta) = - mean entropy on a held-out batch (labels only locate responses)."""
@@ -310,7 +345,7 @@ class CALM(TrainingMethod):
             logits, _ = self.scored(batch, self.upper_objective)
             return -mean_entropy(logits)
 
-        return upper
+        return BatchLoss(upper, objective_count(batch, self.upper_objective))
 
     # ----- the surrogate schedule -----
     def _epoch(self) -> int:
@@ -343,7 +378,7 @@ class CALM(TrainingMethod):
         loader = datamodule.surrogate_dataloader()
         batches: list[dict] = []
         for sweep in range(n + 1):  # more sweeps only when the split holds fewer than n batches
-            loader.sampler.set_epoch(self.refreshes * 10_007 + sweep)
+            loader.batch_sampler.set_epoch(self.refreshes * 10_007 + sweep)
             for batch in loader:
                 batches.append(move_data_to_device(batch, self.device))
                 if len(batches) == n:
@@ -383,6 +418,7 @@ class CALM(TrainingMethod):
             self.inner_lr,
             inner_optimizer=self.inner_optimizer,
             betas=self.betas,
+            mean=GlobalMean(self.device),
             **surrogate,
         )
         bad = first_non_finite(

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from calm_lightning.distributed import GlobalMean
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.base import HEAD_CONFIGURED
-from calm_lightning.methods.objectives import cross_entropy, mean_entropy
+from calm_lightning.methods.objectives import cross_entropy, mean_entropy, objective_count
 from calm_lightning.methods.training import TrainingMethod, first_non_finite
 
 
@@ -20,6 +21,7 @@ class Iterate(TrainingMethod):
 
     head = HEAD_CONFIGURED  # the upper block, `method.head`
     needs_heldout = True  # the upper step reads held-out batches
+    supports_fsdp = False  # gradients by torch.autograd.grad (see TrainingMethod)
 
     def __init__(
         self,
@@ -68,17 +70,22 @@ class Iterate(TrainingMethod):
         logits, targets = self.scored(batch, self.upper_mode)
         return self.ce_weight * cross_entropy(logits, targets) - mean_entropy(logits)
 
-    def _step(self, loss: torch.Tensor, params: list, optimizer, name: str) -> None:
+    def _step(self, loss: torch.Tensor, params: list, optimizer, name: str, count: int):
+        """One block's step on `loss` (a mean over `count` items of this rank's batch);
+        returns the loss of the global batch."""
+        # Gradients only for this block: the other block stays frozen for this step. They
+        # bypass DDP's hooks, so the global batch's mean is formed here (distributed.py).
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        loss, grads = GlobalMean(loss.device).both(loss, grads, count)
         if first_non_finite(**{name: loss}):
             self.fail_non_finite(name)
-        # Gradients only for this block: the other block stays frozen for this step.
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
         if first_non_finite(**{f"{name} gradient": list(grads)}):
             self.fail_non_finite(f"{name} gradient")
         for param, grad in zip(params, grads, strict=True):
             param.grad = grad
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
         train = batch.get("train", batch)
@@ -86,8 +93,13 @@ class Iterate(TrainingMethod):
         sched_theta = self.lr_schedulers()
         theta = list(self.model.adapter_parameters().values())
         alpha = list(self.model.head_parameters().values())
-        lower = self.lower_loss(train)
-        self._step(lower, theta, opt_theta, "lower loss")
+        lower = self._step(
+            self.lower_loss(train),
+            theta,
+            opt_theta,
+            "lower loss",
+            objective_count(train, self.lower_mode),
+        )
         sched_theta.step()
         logs = {
             "iterate/lower_loss": lower.item(),
@@ -97,12 +109,18 @@ class Iterate(TrainingMethod):
         if self.outer_step % self.lower_steps == 0:
             if "heldout" not in batch:
                 raise ConfigError("Iterate's upper step needs held-out data (setting.heldout)")
-            upper = self.upper_loss(batch["heldout"])
+            heldout = batch["heldout"]
             for group in opt_alpha.param_groups:
                 group["lr"] = self.upper_lr * self.lr_factor(self.outer_step - 1)
             # Past Lightning's wrapper: `global_step` (trainer.max_steps, step checkpoints)
             # then counts training batches, not batches plus upper steps.
-            self._step(upper, alpha, getattr(opt_alpha, "optimizer", opt_alpha), "upper loss")
+            upper = self._step(
+                self.upper_loss(heldout),
+                alpha,
+                getattr(opt_alpha, "optimizer", opt_alpha),
+                "upper loss",
+                objective_count(heldout, self.upper_mode),
+            )
             logs["iterate/upper_loss"] = upper.item()
             logs.update({f"iterate/{k}": v for k, v in self.model.head.summary().items()})
         self.log_dict(logs, on_step=True, on_epoch=False)

@@ -58,6 +58,17 @@ def first_response_positions(labels: torch.Tensor) -> torch.Tensor:
 MODES = ("vocab", "options", "cloze")
 
 
+def objective_count(batch: dict, mode: str) -> int:
+    """How many items a mean over this batch's predictions in `mode` averages over: response
+    tokens (`vocab`), questions (`options`, `cloze`). Data parallelism weights each process's
+    mean by it (distributed.GlobalMean)."""
+    if mode == "vocab":
+        return int(response_positions(batch["labels"]).sum())
+    if mode == "cloze":
+        return int(batch["answers"].shape[0])
+    return int(batch["labels"].shape[0])
+
+
 def select_predictions(
     raw: torch.Tensor, labels: torch.Tensor, mode: str, option_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +110,7 @@ class ClozePredictions:
     logits: torch.Tensor  # (B, K) fp32 option logits (summed log-likelihoods, per `normalize`)
     targets: torch.Tensor  # (B,) gold option index
     answer_ce: torch.Tensor  # token-mean cross-entropy of the gold options' continuation tokens
+    answer_tokens: int = 1  # how many tokens answer_ce averages over
 
 
 def cloze_predictions(model, batch: dict, normalize: str = "none", params=None):
@@ -121,7 +133,7 @@ def cloze_predictions(model, batch: dict, normalize: str = "none", params=None):
     answer_ce = -(gold.sum() / gold_tokens.to(gold.device)).float()
     lengths = {"none": None, "tokens": rows["n_tokens"], "chars": rows["n_chars"]}[normalize]
     logits = loglik if lengths is None else loglik / lengths.clamp(min=1).view(b, k)
-    return ClozePredictions(logits.float(), answers, answer_ce)
+    return ClozePredictions(logits.float(), answers, answer_ce, int(gold_tokens))
 
 
 def predictions(

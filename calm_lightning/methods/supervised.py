@@ -9,6 +9,7 @@ non-finite check happens before any parameter moves, exactly as in CALM.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,15 @@ def initial_bin_statistics(batches) -> tuple[list, torch.Tensor, torch.Tensor, t
     return ids, confidence_bins(confidence_t), accuracy, count
 
 
+class Scored(NamedTuple):
+    """A training batch scored in a method's mode (`SupervisedMethod.scored_predictions`)."""
+
+    answer_ce: torch.Tensor | None  # next-token CE of the answer (None unless asked / free)
+    logits: torch.Tensor  # (N, K or V) adjusted logits the objective scores
+    targets: torch.Tensor  # (N,)
+    answer_tokens: int  # tokens answer_ce averages over (0 without it)
+
+
 class SupervisedMethod(TrainingMethod):
     """A single-level method: subclasses implement `loss(batch) -> (loss, logs)`."""
 
@@ -91,32 +101,36 @@ class SupervisedMethod(TrainingMethod):
         self.mode = self.resolve_mode(self.objective, "train")
         self.set_option_ids(self.mode)
 
-    def scored_predictions(self, batch: dict, answer_ce: bool = False):
-        """(answer cross-entropy or None, scored logits, targets) of a training batch in this
-        method's mode. The cross-entropy (next-token CE over every response token through the
-        head: the answer letter's in letter mode, the answer text's in cloze mode) comes free
-        in cloze mode (same forward); otherwise it is computed only when `answer_ce` asks."""
+    def scored_predictions(self, batch: dict, answer_ce: bool = False) -> Scored:
+        """A training batch in this method's mode. The answer cross-entropy (next-token CE
+        over every response token through the head: the answer letter's in letter mode, the
+        answer text's in cloze mode) comes free in cloze mode (same forward); otherwise it is
+        computed only when `answer_ce` asks."""
         if self.mode == "cloze":
             scored = cloze_predictions(self.model, batch, self.cloze.normalize)
-            return scored.answer_ce, scored.logits, scored.targets
+            return Scored(scored.answer_ce, scored.logits, scored.targets, scored.answer_tokens)
         raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
         logits, targets = adjusted_predictions(
             self.model, raw, batch["labels"], self.mode, self.option_ids
         )
         if not answer_ce:
-            return None, logits, targets
+            return Scored(None, logits, targets, 0)
         if self.mode == "vocab":
-            return cross_entropy(logits, targets), logits, targets
+            return Scored(cross_entropy(logits, targets), logits, targets, targets.numel())
         selected, next_tokens = select_response_logits(raw, batch["labels"])
-        return cross_entropy(self.model.adjust(selected), next_tokens), logits, targets
+        ce = cross_entropy(self.model.adjust(selected), next_tokens)
+        return Scored(ce, logits, targets, next_tokens.numel())
 
     def loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss to backward and what to log. Under data parallelism each term is weighted
+        by `distributed_mean` / `distributed_sum`, so that DDP's averaged gradient is the
+        global batch's and the logged values (averaged over ranks) are its values."""
         raise NotImplementedError
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
         train = batch.get("train", batch)
         loss, logs = self.loss(train)
-        if first_non_finite(loss=loss):
+        if self.non_finite_anywhere(loss=loss):
             self.fail_non_finite("loss")
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
@@ -132,7 +146,8 @@ class SupervisedMethod(TrainingMethod):
         logs = {f"{name}/{k}": v for k, v in logs.items()}
         logs[f"{name}/loss"] = loss.item()
         logs[f"{name}/lr"] = optimizer.param_groups[0]["lr"]
-        self.log_dict(logs, on_step=True, on_epoch=False)
+        # sync_dist averages the ranks' weighted values: the global batch's (no-op on one).
+        self.log_dict(logs, on_step=True, on_epoch=False, sync_dist=True)
         self.log("loss", loss.item(), prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     @torch.no_grad()
@@ -149,7 +164,7 @@ class SupervisedMethod(TrainingMethod):
                 if self.initial_pass_batches is not None and index >= self.initial_pass_batches:
                     break
                 batch = move_data_to_device(batch, self.device)
-                _, logits, targets = self.scored_predictions(batch)
+                _, logits, targets, _ = self.scored_predictions(batch)
                 ids = list(batch["ids"])
                 if self.mode == "vocab":
                     counts = response_positions(batch["labels"]).sum(1).tolist()
@@ -167,11 +182,13 @@ class Regularization(SupervisedMethod):
         self.alpha_reg = float(alpha_reg)
 
     def loss(self, batch):
-        answer_ce, logits, targets = self.scored_predictions(batch)
+        answer_ce, logits, targets, answer_tokens = self.scored_predictions(batch)
         # Letter mode: CE of the option letters; cloze mode: CE of the answer text, with the
         # entropy of the cloze option distribution.
-        ce = answer_ce if answer_ce is not None else cross_entropy(logits, targets)
-        entropy = mean_entropy(logits)
+        if answer_ce is None:
+            answer_ce, answer_tokens = cross_entropy(logits, targets), targets.numel()
+        ce = self.distributed_mean(answer_ce, answer_tokens)
+        entropy = self.distributed_mean(mean_entropy(logits), logits.shape[0])
         return ce - self.alpha_reg * entropy, {"ce": ce.item(), "entropy": entropy.item()}
 
 
@@ -223,14 +240,15 @@ class LabelSmoothing(SupervisedMethod):
         return torch.tensor(values, device=device, dtype=torch.float32)
 
     def loss(self, batch):
-        _, logits, targets = self.scored_predictions(batch)
+        _, logits, targets, _ = self.scored_predictions(batch)
         accuracy = self._accuracy_of(batch, logits.shape[0], logits.device)
         if self.mode in ("options", "cloze"):
             soft = smoothed_targets(targets, accuracy, logits.shape[-1])
             loss = soft_cross_entropy(logits, soft)
         else:
             loss = smoothed_vocab_cross_entropy(logits, targets, accuracy)
-        return loss, {"mean_eps": float((1 - accuracy).mean())}
+        eps = self.distributed_mean((1 - accuracy).mean(), logits.shape[0])
+        return self.distributed_mean(loss, logits.shape[0]), {"mean_eps": float(eps)}
 
 
 def smoothed_vocab_cross_entropy(
@@ -294,7 +312,11 @@ class CFT(SupervisedMethod):
         self.bin_count = count.to(self.device)
 
     def loss(self, batch):
-        sft, logits, _ = self.scored_predictions(batch, answer_ce=True)
-        cal = cft_calibration_loss(logits.float().softmax(-1), self.bin_accuracy, self.bin_count)
+        sft, logits, _, sft_tokens = self.scored_predictions(batch, answer_ce=True)
+        sft = self.distributed_mean(sft, sft_tokens)
+        # L_cal sums over the batch's predictions (each bin's term / its frozen count).
+        cal = self.distributed_sum(
+            cft_calibration_loss(logits.float().softmax(-1), self.bin_accuracy, self.bin_count)
+        )
         loss = (1 - self.weight) * sft + self.weight * self.scale * cal
         return loss, {"sft": sft.item(), "cal": cal.item()}

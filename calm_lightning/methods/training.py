@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 import torch
 
-from calm_lightning.errors import CalmLightningError
+from calm_lightning.distributed import GlobalMean, any_rank, gather_objects, world
+from calm_lightning.errors import CalmLightningError, ConfigError
 from calm_lightning.methods.base import CalibrationMethod
 from calm_lightning.methods.objectives import predictions
 
@@ -55,11 +57,22 @@ def clamp_(params: Iterable[torch.Tensor], bound: float) -> None:
         param.clamp_(-bound, bound)
 
 
+def uses_fsdp(trainer_cfg) -> bool:
+    """Whether a trainer config asks for Lightning's FSDP (by name or by `_target_`)."""
+    strategy = (trainer_cfg or {}).get("strategy")
+    if hasattr(strategy, "get"):
+        strategy = strategy.get("_target_", "")
+    return "fsdp" in str(strategy or "").lower()
+
+
 class TrainingMethod(CalibrationMethod):
     """A method that trains LoRA adapters (and a head where it has one) with `Trainer.fit`;
     checkpoints keep trainable tensors only."""
 
     uses_adapter = True
+    # Methods that take gradients with torch.autograd.grad against the adapter tensors
+    # (CALM, Iterate) cannot run under FSDP, whose flat parameters hide those tensors.
+    supports_fsdp: ClassVar[bool] = True
     changes_model = True
     # With cloze scoring, MCQA training data trains on the answer text and option-level
     # objectives read the cloze option distribution (`resolve_mode`, objectives.py).
@@ -68,6 +81,17 @@ class TrainingMethod(CalibrationMethod):
     def calibrate(self, trainer, datamodule, ckpt_path: str | None = None) -> dict:
         trainer.fit(self, datamodule=datamodule, ckpt_path=ckpt_path)
         return {}
+
+    @classmethod
+    def check_requirements(cls, cfg, sources: dict) -> None:
+        super().check_requirements(cfg, sources)
+        if not cls.supports_fsdp and uses_fsdp(cfg.get("trainer")):
+            raise ConfigError(
+                f"method={cfg.method.name} does not run under trainer=fsdp: it takes its "
+                "gradients with torch.autograd.grad against the adapter tensors, which FSDP's "
+                "flat parameters do not expose. Use trainer=ddp (each process holds the frozen "
+                "base; model.quantization=nf4 shrinks it to 4 bits)"
+            )
 
     def __init__(
         self,
@@ -148,6 +172,28 @@ class TrainingMethod(CalibrationMethod):
         style = self.option_token_style if self.option_token_style in candidates else None
         self.option_ids = candidates[style or next(iter(candidates))].tensor(self.device)
 
+    # ----- data parallelism (distributed.py; identities on one process) -----
+    def distributed_mean(self, term: torch.Tensor, count) -> torch.Tensor:
+        """`term`, a mean over `count` items of this rank's batch, weighted so that DDP's
+        average of the ranks' gradients (and of their logged values) is the global batch's
+        mean: world size x this rank's share of the items."""
+        if world()[1] == 1:
+            return term
+        return term * GlobalMean(term.device).weight(count)
+
+    def distributed_sum(self, term: torch.Tensor) -> torch.Tensor:
+        """`term`, a sum over this rank's batch, weighted so that DDP's average is the global
+        batch's sum."""
+        return term * world()[1]
+
+    def non_finite_anywhere(self, **quantities) -> str | None:
+        """`first_non_finite`, agreed by every rank (a NaN on one rank stops them all at the
+        same step instead of leaving the others waiting in a collective)."""
+        bad = first_non_finite(**quantities)
+        if world()[1] == 1:
+            return bad
+        return (bad or "a quantity on another process") if any_rank(bad is not None) else None
+
     def fail_non_finite(self, quantity: str) -> None:
         """Stop with the step and quantity named, after saving the still-finite state."""
         path = self.save_last_good()
@@ -167,13 +213,22 @@ class TrainingMethod(CalibrationMethod):
         checkpoint["outer_step"] = self.outer_step
         # LoRA dropout draws from the global generator: restoring it makes a resumed run
         # continue with the same masks an uninterrupted run would have drawn.
-        checkpoint["torch_rng_state"] = torch.get_rng_state()
-        if torch.cuda.is_available():
-            checkpoint["cuda_rng_state"] = torch.cuda.get_rng_state_all()
+        # Under DDP each rank draws its own masks: every rank's state is kept (rank 0 writes
+        # the file, but every rank builds the checkpoint, so the gather is safe here).
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        states = gather_objects((torch.get_rng_state(), cuda))
+        checkpoint["torch_rng_state"], checkpoint["cuda_rng_state"] = states[0]
+        if len(states) > 1:
+            checkpoint["rng_states_by_rank"] = states
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.outer_step = int(checkpoint.get("outer_step", 0))
-        self._resume_rng = (checkpoint.get("torch_rng_state"), checkpoint.get("cuda_rng_state"))
+        rank, size = world()
+        by_rank = checkpoint.get("rng_states_by_rank")
+        if by_rank is not None and len(by_rank) == size:
+            self._resume_rng = tuple(by_rank[rank])
+        else:
+            self._resume_rng = (checkpoint.get("torch_rng_state"), checkpoint.get("cuda_rng_state"))
 
     def on_train_start(self) -> None:
         # Restored here, not in on_load_checkpoint: Lightning loads the checkpoint before

@@ -1,0 +1,219 @@
+"""Data parallelism the project's own way: batch sharding, global means, gathers.
+
+Lightning runs the processes (`trainer=ddp`); this module makes what they compute equal to
+what one process computes on the concatenated batch (docs/scaling.md):
+
+* `ShardedBatchSampler`: every rank cuts the same permutation (or the file order) into the
+  same global batches, and takes its own slice of each, so W processes with batch b see
+  exactly the batches one process with batch W * b sees;
+* `GlobalMean`: a loss averaged over a rank's tokens becomes the global batch's token mean
+  (each rank's value and gradients weighted by its share of the tokens, then summed), which
+  DDP's plain average of rank means is not when ranks hold different token counts;
+* `gather_objects`: evaluation rows from every rank, for metrics written once by rank 0.
+
+With one process (or no process group) everything here is the identity, at no cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from calm_lightning.errors import ConfigError
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the current process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_distributed() -> bool:
+    return world()[1] > 1
+
+
+def all_reduce_sum(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Element-wise sums over ranks of a list of tensors, in one collective (fp32 buffer)."""
+    tensors = list(tensors)
+    if not is_distributed() or not tensors:
+        return tensors
+    # fp32 for 16-bit tensors (a bf16 sum over ranks loses digits), fp64 kept as fp64.
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start : start + t.numel()].view_as(t).to(t.dtype))
+        start += t.numel()
+    return out
+
+
+def any_rank(flag: bool, device=None) -> bool:
+    """Whether `flag` holds on any rank (every rank gets the same answer)."""
+    if not is_distributed():
+        return bool(flag)
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def gather_objects(obj) -> list:
+    """`obj` from every rank, in rank order (picklable objects; tensors on the CPU)."""
+    if not is_distributed():
+        return [obj]
+    out: list = [None] * world()[1]
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class GlobalMean:
+    """Turns rank-local means into the global batch's mean.
+
+    A loss that averages over `count` items on this rank (tokens, questions) contributes
+    share = count / (sum of counts over ranks) of the global mean. `value(loss, count)` is the
+    global mean of the loss (on every rank); `gradients(grads, count)` the gradient of that
+    global mean. `weight(count)` is the factor that makes DDP's averaged gradient of
+    `weight * loss` the gradient of the global mean (world size * share), for methods whose
+    backward goes through DDP's own all-reduce.
+    """
+
+    def __init__(self, device=None) -> None:
+        self.device = device
+
+    def share(self, count) -> torch.Tensor:
+        local = torch.as_tensor(count, dtype=torch.float64, device=self.device).reshape(1)
+        if not is_distributed():
+            return torch.ones((), dtype=torch.float64, device=self.device)
+        total = local.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        if float(total) <= 0:
+            raise ConfigError("no rank holds an item of this batch (empty shards)")
+        return (local / total).reshape(())
+
+    def weight(self, count) -> torch.Tensor:
+        return self.share(count) * world()[1]
+
+    def value(self, loss: torch.Tensor, count) -> torch.Tensor:
+        if not is_distributed():
+            return loss.detach()
+        return all_reduce_sum([loss.detach() * self.share(count).to(loss.dtype)])[0]
+
+    def gradients(self, grads: Sequence[torch.Tensor | None], count) -> list:
+        """Shares of the gradients summed over ranks; None (a parameter the loss does not
+        reach, the same on every rank) stays None."""
+        grads = list(grads)
+        if not is_distributed():
+            return grads
+        share = self.share(count)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        summed = all_reduce_sum([grads[i] * share.to(grads[i].dtype) for i in present])
+        for i, g in zip(present, summed, strict=True):
+            grads[i] = g
+        return grads
+
+    def both(self, loss: torch.Tensor, grads, count) -> tuple[torch.Tensor, list]:
+        """`value` and `gradients` with one share computed (two collectives, not three)."""
+        if not is_distributed():
+            return loss.detach(), list(grads)
+        share = self.share(count)
+        grads = list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        summed = all_reduce_sum(
+            [loss.detach().reshape(1) * share.to(loss.dtype)]
+            + [grads[i] * share.to(grads[i].dtype) for i in present]
+        )
+        for i, g in zip(present, summed[1:], strict=True):
+            grads[i] = g
+        return summed[0].reshape(()), grads
+
+
+class ShardedBatchSampler(torch.utils.data.Sampler):
+    """Batches of indices 0..n-1, the same global batches on every world size.
+
+    `shuffle`: a permutation that depends only on (seed, epoch) (Lightning calls `set_epoch`
+    at every epoch start, so a run resumed from an epoch-end checkpoint sees exactly the
+    batches an uninterrupted run would); otherwise file order. The order is cut into global
+    batches of `batch_size * world` indices (the last, shorter one dropped when `drop_last`
+    and at least one full batch exists); with `shard="slice"` rank r takes positions
+    [r * batch_size, (r + 1) * batch_size) of each global batch (training: equal batch counts
+    on every rank, as collectives need), with `shard="round_robin"` global batches of
+    `batch_size` go to ranks in turn (evaluation: the very batches one process would score;
+    batch j of process r is batch j * world + r of one process).
+
+    The rank and world size are read when iterating, so a loader built before the process
+    group exists still shards correctly.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int = 0,
+        drop_last: bool = False,
+        shard: str = "slice",
+    ) -> None:
+        if shard not in ("slice", "round_robin"):
+            raise ValueError(f"shard={shard!r} is not slice or round_robin")
+        self.n, self.batch_size, self.shuffle = int(n), int(batch_size), shuffle
+        self.seed, self.drop_last, self.shard, self.epoch = seed, drop_last, shard, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(self.n, generator=generator).tolist()
+
+    def _global_batches(self) -> list[list[int]]:
+        rank, size = world()
+        order = self.order()
+        step = self.batch_size * (size if self.shard == "slice" else 1)
+        batches = [order[i : i + step] for i in range(0, self.n, step)]
+        if self.drop_last and len(batches) > 1 and len(batches[-1]) < step:
+            batches.pop()
+        if self.shard == "round_robin":
+            # Fewer batches than processes: the idle ones score a copy of the first batch
+            # (Lightning needs a batch on every process); its index, >= `n_global`, marks it
+            # as padding to drop after the gather.
+            return batches[rank::size] or batches[:1]
+        if size > 1 and self.n < step:
+            raise ConfigError(
+                f"{self.n} examples cannot fill one global batch of {step} "
+                f"({size} processes x batch {self.batch_size}): lower setting.batch_size or "
+                "use fewer devices"
+            )
+        return [b[rank * self.batch_size : (rank + 1) * self.batch_size] for b in batches]
+
+    @property
+    def n_global(self) -> int:
+        """Round-robin: how many distinct batches all processes together score."""
+        return -(-self.n // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._global_batches())
+
+    def __len__(self) -> int:
+        return len(self._global_batches())
+
+
+def is_main_process() -> bool:
+    """Whether this process writes the run's files: global rank 0 of the process group, or,
+    before the group exists, the process the launcher's environment calls rank 0 (Lightning's
+    child processes and SLURM tasks know their rank from the start)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    import os
+
+    for name in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(name) not in (None, ""):
+            if name == "SLURM_PROCID" and int(os.environ.get("SLURM_NTASKS", "1")) < 2:
+                continue  # one task in an allocation: not a distributed launch
+            return int(os.environ[name]) == 0
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0

@@ -1,0 +1,400 @@
+"""Data parallelism: W processes with batch b compute what one process computes with batch W*b.
+
+Three layers, each against an independent computation:
+* the batch sampler (world size patched): the ranks' slices put together are the
+  single-process batches;
+* two real gloo processes on a float64 toy bilevel problem with unequal token counts per
+  rank: `bilevel_gradients` and `GlobalMean` equal the single-process values on the
+  concatenated batch (1e-12);
+* the pipeline itself, `python -m calm_lightning.run ... trainer=ddp trainer.devices=2` on the
+  tiny model (CPU, gloo) against the single-process run with the batch doubled: trained
+  parameters and metrics (1e-4) for calm and reg, and identical predictions files for MCQA,
+  open QA and post-hoc temperature scaling; kill-and-resume under DDP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from calm_lightning import distributed
+from calm_lightning.distributed import GlobalMean, ShardedBatchSampler
+from calm_lightning.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----- the sampler -----
+def _batches(sampler, rank, size, monkeypatch):
+    monkeypatch.setattr(distributed, "world", lambda: (rank, size))
+    return list(sampler)
+
+
+@pytest.mark.parametrize("n", [37, 40])
+def test_rank_slices_put_together_are_the_single_process_batches(n, monkeypatch):
+    for epoch in (0, 3):
+        single = ShardedBatchSampler(n, 8, shuffle=True, seed=5, drop_last=True)
+        single.set_epoch(epoch)
+        expected = _batches(single, 0, 1, monkeypatch)
+        sharded = ShardedBatchSampler(n, 4, shuffle=True, seed=5, drop_last=True)
+        sharded.set_epoch(epoch)
+        ranks = [_batches(sharded, r, 2, monkeypatch) for r in range(2)]
+        assert len(ranks[0]) == len(ranks[1]) == len(expected) == n // 8
+        assert [a + b for a, b in zip(*ranks, strict=True)] == expected
+        # the permutation is the (seed, epoch) one, cut into batches, the partial one dropped
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(5 * 100_003 + epoch))
+        assert sum(expected, []) == perm.tolist()[: 8 * (n // 8)]
+
+
+def test_one_short_batch_is_kept_on_one_process_and_refused_on_several(monkeypatch):
+    sampler = ShardedBatchSampler(3, 4, shuffle=True, seed=0, drop_last=True)
+    assert sorted(_batches(sampler, 0, 1, monkeypatch)[0]) == [0, 1, 2]
+    with pytest.raises(ConfigError, match="cannot fill one global batch"):
+        _batches(sampler, 0, 2, monkeypatch)
+
+
+def test_evaluation_batches_go_round_robin_and_idle_ranks_score_a_marked_copy(monkeypatch):
+    sampler = ShardedBatchSampler(40, 16, shuffle=False, shard="round_robin")
+    single = _batches(sampler, 0, 1, monkeypatch)
+    assert single == [list(range(0, 16)), list(range(16, 32)), list(range(32, 40))]
+    assert _batches(sampler, 0, 2, monkeypatch) == [single[0], single[2]]
+    assert _batches(sampler, 1, 2, monkeypatch) == [single[1]]
+    assert sampler.n_global == 3
+    # 3 batches on 4 processes: the fourth scores batch 0 again (index 3 >= n_global: dropped)
+    assert _batches(sampler, 3, 4, monkeypatch) == [single[0]]
+
+
+# ----- two gloo processes, float64 toy problem -----
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _toy_problem(rows: slice, held: slice):
+    """theta (3,), alpha (2,); token features X (10, 3) and held-out Z (6, 3), float64."""
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(10, 3, generator=gen, dtype=torch.float64)
+    y = torch.randn(10, generator=gen, dtype=torch.float64)
+    Z = torch.randn(6, 3, generator=gen, dtype=torch.float64)
+    theta = torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64, requires_grad=True)
+    alpha = torch.tensor([0.5, 0.1], dtype=torch.float64, requires_grad=True)
+    X, y, Z = X[rows], y[rows], Z[held]
+
+    def lower(surrogate, track):
+        t = theta if surrogate is None else surrogate[0]
+        pred = (X @ t) * alpha[0] + alpha[1]
+        return ((pred - y) ** 2).mean()
+
+    def upper():
+        return -torch.log1p((Z @ theta) ** 2 * alpha[0] ** 2).mean()
+
+    return theta, alpha, lower, upper, rows.stop - rows.start, held.stop - held.start
+
+
+def _bilevel(rows, held, mean=None, **kwargs):
+    from calm_lightning.methods.calm import BatchLoss, bilevel_gradients
+
+    theta, alpha, lower, upper, n_rows, n_held = _toy_problem(rows, held)
+    grads = bilevel_gradients(
+        [theta],
+        [alpha],
+        BatchLoss(lower, n_rows),
+        BatchLoss(upper, n_held),
+        inner_steps=3,
+        inner_lr=0.1,
+        mean=mean,
+        **kwargs,
+    )
+    return {
+        "g": grads.g.item(),
+        "g_surrogate": grads.g_surrogate.item(),
+        "f": grads.f.item(),
+        "grad_f": [t.tolist() for t in grads.grad_f],
+        "grad_q": [t.tolist() for t in grads.grad_q],
+    }
+
+
+# Unequal shards: 7 + 3 tokens, 2 + 4 held-out items.
+SHARDS = [(slice(0, 7), slice(0, 2)), (slice(7, 10), slice(2, 6))]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        rows, held = SHARDS[rank]
+        result = {
+            opt: _bilevel(rows, held, GlobalMean(), inner_optimizer=opt) for opt in ("sgd", "adam")
+        }
+        mean = GlobalMean()
+        local = torch.tensor(float(rank + 1), dtype=torch.float64)  # rank means 1 and 2
+        counts = (7, 3)
+        result["value"] = mean.value(local, counts[rank]).item()
+        result["weighted"] = (local * mean.weight(counts[rank])).item()
+        result["gathered"] = distributed.gather_objects({"rank": rank})
+        result["any"] = distributed.any_rank(rank == 1)
+        Path(out, f"{rank}.json").write_text(json.dumps(result))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_processes_give_the_single_process_bilevel_gradients(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    for opt in ("sgd", "adam"):
+        single = _bilevel(slice(0, 10), slice(0, 6), inner_optimizer=opt)
+        for rank in ranks:
+            got = rank[opt]
+            for key in ("g", "g_surrogate", "f"):
+                assert got[key] == pytest.approx(single[key], rel=1e-12, abs=1e-12), key
+            for key in ("grad_f", "grad_q"):
+                for a, b in zip(got[key], single[key], strict=True):
+                    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+        # the average of rank means (the plain DDP average) would not have matched
+        mean_of_means = np.mean([_bilevel(r, h, inner_optimizer=opt)["g"] for r, h in SHARDS])
+        assert abs(mean_of_means - single["g"]) > 1e-3
+    for rank in ranks:
+        assert rank["value"] == pytest.approx((7 * 1 + 3 * 2) / 10)
+        assert rank["gathered"] == [{"rank": 0}, {"rank": 1}] and rank["any"] is True
+    # DDP averages the weighted values: their mean is the token-weighted global mean
+    assert np.mean([r["weighted"] for r in ranks]) == pytest.approx(1.3)
+
+
+# ----- the pipeline on two CPU processes -----
+TINY = [
+    "model=tiny",
+    "peft.r=4",
+    "peft.lora_dropout=0",  # dropout masks differ between world sizes by construction
+    "trainer.enable_progress_bar=false",
+    "logger=none",
+]
+DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+
+
+def _cli(out: Path, *overrides: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    command = [sys.executable, "-m", "calm_lightning.run", *overrides, f"hydra.run.dir={out}"]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if expect_ok:
+        assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def _metrics(run: Path) -> dict:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def _trained(run: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    tensors = {}
+    for path in sorted((run / "calibration").rglob("*.safetensors")):
+        tensors.update({f"{path.name}:{k}": v for k, v in load_file(path).items()})
+    return tensors
+
+
+def _predictions(run: Path) -> list[dict]:
+    return [json.loads(r) for r in (run / "predictions.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "method,extra",
+    [
+        # letter-scored MCQA (demo_id), as in docs/scaling.md; CALM's hand-made gradients
+        ("calm", ["trainer.max_steps=4"]),
+        # the amortized surrogate: its refresh reads T - 1 more batches from its own loader
+        (
+            "calm",
+            [
+                "trainer.max_steps=4",
+                "method.module.inner_steps=3",
+                "method.module.surrogate.schedule=amortized",
+                "method.module.surrogate.refresh_every=2",
+            ],
+        ),
+        # instruction data (demo): token counts differ between the ranks' batches
+        ("reg", ["setting=demo", "setting.max_length=64", "trainer.max_steps=4"]),
+    ],
+)
+def test_two_processes_train_what_one_process_trains_on_the_doubled_batch(tmp_path, method, extra):
+    common = [*TINY, f"method={method}", "setting.test.limit=8", *extra]
+    _cli(tmp_path / "ddp", *common, *DDP)
+    _cli(tmp_path / "one", *common, "setting.batch_size=8")
+    ddp, one = _trained(tmp_path / "ddp"), _trained(tmp_path / "one")
+    assert ddp.keys() == one.keys() and ddp
+    for key in one:
+        np.testing.assert_allclose(ddp[key], one[key], atol=1e-4, err_msg=key)
+    assert any(np.abs(v).max() > 1e-5 for k, v in one.items() if "lora_B" in k)  # it trained
+    a, b = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "one")
+    for key, value in b["metrics"].items():
+        assert a["metrics"][key] == pytest.approx(value, abs=1e-4), key
+    # one predictions file, every question once, written by rank 0 only
+    assert len(_predictions(tmp_path / "ddp")) == 8
+    assert sorted(p.name for p in (tmp_path / "ddp").glob("**/predictions.jsonl")) == [
+        "predictions.jsonl",
+        "predictions.jsonl",  # the run's and base/
+    ]
+
+
+def _same_predictions(a: Path, b: Path) -> None:
+    ra, rb = _predictions(a), _predictions(b)
+    assert [r["id"] for r in ra] == [r["id"] for r in rb]
+    assert ra == rb
+
+
+def test_distributed_mcqa_evaluation_and_posthoc_fit_equal_one_process(tmp_path):
+    # 40 questions in batches of 16: rank 0 scores batches 0 and 2, rank 1 batch 1
+    common = [*TINY, "method=ts", "setting.test.limit=40"]  # T fitted on the held-out split
+    _cli(tmp_path / "ddp", *common, *DDP)
+    _cli(tmp_path / "one", *common)
+    _same_predictions(tmp_path / "ddp", tmp_path / "one")
+    _same_predictions(tmp_path / "ddp" / "base", tmp_path / "one" / "base")
+    a, b = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "one")
+    assert a["metrics"] == b["metrics"] and a["metrics"]["n"] == 40
+    assert a["posthoc"]["temperature"] == pytest.approx(b["posthoc"]["temperature"], rel=1e-9)
+
+
+def test_distributed_openqa_samples_do_not_depend_on_the_world_size(tmp_path, gen_ood):
+    common = [*gen_ood("method=base"), "logger=none", "evaluation.openqa.n_samples=4"]
+    _cli(tmp_path / "ddp", *common, *DDP)
+    _cli(tmp_path / "one", *common)
+    _same_predictions(tmp_path / "ddp", tmp_path / "one")
+    assert _metrics(tmp_path / "ddp")["metrics"] == _metrics(tmp_path / "one")["metrics"]
+
+
+RUNS = ("full", "resumed")
+
+
+def test_kill_and_resume_under_ddp_equals_the_uninterrupted_run(tmp_path):
+    common = [
+        *TINY,
+        *DDP,
+        "method=calm",
+        "setting.test.limit=8",
+        "trainer.limit_train_batches=2",
+        "trainer.max_epochs=2",
+        "method.module.inner_steps=1",
+        "method.module.upper_lr=0.05",
+        "evaluation.compare_with_base=false",
+        "peft.lora_dropout=0.1",  # each rank's own masks must come back on resume
+    ]
+    _cli(tmp_path / "full", *common)
+    killed = _cli(
+        tmp_path / "killed",
+        *common,
+        "+callbacks.kill._target_=tests.test_resume.KillAtSecondEpoch",
+        expect_ok=False,
+    )
+    assert killed.returncode != 0 and "simulated kill" in killed.stderr
+    ckpt = torch.load(tmp_path / "killed" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert len(ckpt["rng_states_by_rank"]) == 2
+    _cli(tmp_path / "resumed", *common, f"ckpt_path={tmp_path / 'killed'}")
+    # As in test_resume: bit-equal state at the resume point, then BLAS summation order may
+    # differ in the last bits (which AdamW lifts to ~lr on near-zero-gradient elements).
+    probs = {run: np.array([r["probs"] for r in _predictions(tmp_path / run)]) for run in RUNS}
+    np.testing.assert_allclose(probs["resumed"], probs["full"], atol=1e-4)
+    assert not np.allclose(probs["full"][:, 0], 0.25)  # it trained
+    a, b = _metrics(tmp_path / "full"), _metrics(tmp_path / "resumed")
+    for key in ("accuracy", "conf_ece", "cw_ece", "brier", "nll"):
+        assert b["metrics"][key] == pytest.approx(a["metrics"][key], rel=1e-4, abs=1e-4), key
+
+
+# ----- configs that cannot run here -----
+def test_fsdp_config_builds_lightnings_strategy_with_a_lora_wrap_rule(compose):
+    from hydra.utils import instantiate
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from calm_lightning.methods.calm import CALM
+    from calm_lightning.models.loading import load_language_model
+    from calm_lightning.strategies import wrap_module
+
+    cfg = compose(["model=tiny", "trainer=fsdp", "method=reg"])
+    strategy = instantiate(cfg.trainer.strategy)
+    assert isinstance(strategy, FSDPStrategy) and cfg.trainer.accelerator == "gpu"
+    assert strategy.kwargs["use_orig_params"] is True
+    loaded = load_language_model(cfg.model)  # its own copy: LoRA wraps the model in place
+    lm = CALM.build_model(loaded, dict(cfg.peft), {"kind": "vector", "center": "none"})
+    wrapped = {type(m).__name__ for m in lm.modules() if wrap_module(m, "DecoderLayer")}
+    # decoder blocks, the LoRA A / B linears, the head; never the frozen embedding or norms
+    assert {"LlamaDecoderLayer", "Linear", "LogitAdjustment"} <= wrapped
+    assert "Embedding" not in wrapped and "LlamaRMSNorm" not in wrapped
+    lora = [m for n, m in lm.named_modules() if n.endswith("lora_A.default")]
+    frozen = [m for n, m in lm.named_modules() if n.endswith("q_proj.base_layer")]
+    assert lora and all(wrap_module(m, "DecoderLayer") for m in lora)
+    assert frozen and not any(wrap_module(m, "DecoderLayer") for m in frozen)
+
+
+@pytest.mark.parametrize("method", ["calm", "iterate"])
+def test_fsdp_refuses_the_autograd_grad_methods_before_loading(compose, method):
+    from calm_lightning.pipeline import build_datamodule, method_class
+
+    cfg = compose(["model=tiny", "trainer=fsdp", f"method={method}"])
+    with pytest.raises(ConfigError, match="trainer=ddp"):
+        method_class(cfg).check_requirements(cfg, build_datamodule(cfg).sources)
+
+
+def test_multi_node_slurm_config_composes(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("calm_lightning.conf", version_base="1.3"):
+        cfg = compose(
+            "run",
+            overrides=[
+                "model=tiny",
+                "trainer=ddp",
+                "trainer.devices=4",
+                "trainer.num_nodes=2",
+                "hydra/launcher=slurm_ddp",
+                f"paths.output_dir={tmp_path}",
+            ],
+            return_hydra_config=True,
+        )
+    launcher = cfg.hydra.launcher
+    assert "submitit" in launcher._target_ and launcher.timeout_min > 0  # slurm.yaml's values
+    assert launcher.nodes == cfg.trainer.num_nodes == 2
+    assert launcher.tasks_per_node == launcher.gpus_per_node == cfg.trainer.devices == 4
+    assert cfg.trainer.strategy._target_.endswith("DDPStrategy")
+
+
+# ----- the GPU check script (runs where a GPU is) -----
+GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
+
+
+def test_gpu_check_script_lists_checks_that_compose_and_pass_requirements(compose):
+    from calm_lightning.pipeline import build_datamodule, method_class
+
+    assert subprocess.run(["bash", "-n", str(GPU_CHECK)]).returncode == 0
+    done = subprocess.run(["bash", str(GPU_CHECK), "--dry-run"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    checks = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    for name in ("tiny_calm_bf16", "tiny_calm_ddp_1gpu", "tiny_reg_fsdp_1gpu", "smollm2_calm_nf4"):
+        assert name in checks
+    for name, command in checks.items():
+        args = command.split(" -m calm_lightning.run ", 1)[1].split()
+        overrides = [a for a in args if not a.startswith("hydra.run.dir=")]
+        cfg = compose(overrides)
+        method_class(cfg).check_requirements(cfg, build_datamodule(cfg).sources)
+        assert ("fsdp" in name) == ("fsdp" in str(cfg.trainer.strategy)), name
+
+
+def test_gpu_check_script_refuses_bad_arguments_and_machines_without_a_gpu():
+    bad = subprocess.run(["bash", str(GPU_CHECK), "--bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown argument" in bad.stderr
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(GPU_CHECK), "--quick"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 1 and "FAIL no CUDA GPU" in done.stdout
