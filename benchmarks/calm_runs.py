@@ -1,8 +1,9 @@
 """Summarise CALM run directories: test metrics and the logged inner-loop trajectories.
 
 For each `<run dir>` (made by `python -m calm_lightning.run method=calm ... logger=csv`) prints
-accuracy, conf-ECE and NLL from metrics.json, and from csv/metrics.csv the held-out entropy,
-lambda, q, g and the inner drop at the first and the last outer step, and the mean q. Run
+accuracy, conf-ECE, NLL and mean confidence from metrics.json, and from csv/metrics.csv the
+held-out entropy, lambda, q, g and the inner drop at the first and the last outer step, and
+the mean q. Run
 dirs named `<label>_s<seed>` are also grouped by label (mean +- std over seeds).
 
     python benchmarks/calm_runs.py outputs/quality/*_s*
@@ -31,6 +32,7 @@ def summarise(run_dir: Path) -> dict:
         "accuracy": metrics["accuracy"],
         "conf_ece": metrics["conf_ece"],
         "nll": metrics["nll"],
+        "mean_confidence": metrics["mean_confidence"],
     }
     for key in TRAJECTORY:
         values = [float(r[f"calm/{key}"]) for r in rows if r.get(f"calm/{key}")]
@@ -43,6 +45,7 @@ COLUMNS = [
     ("accuracy", "{:.3f}"),
     ("conf_ece", "{:.3f}"),
     ("nll", "{:.3f}"),
+    ("mean_confidence", "{:.3f}"),
     ("entropy_first", "{:.2f}"),
     ("entropy_last", "{:.2f}"),
     ("lambda_first", "{:.2f}"),

@@ -56,3 +56,25 @@ def test_cloze_scoring_benchmark_runs_on_the_tiny_model():
     assert "time ratio separate / shared" in out
     difference = float(out.rsplit("log-likelihoods:", 1)[1])
     assert difference < 1e-4
+
+
+def test_calm_runs_summary_reads_a_real_run(tmp_path, compose):
+    import json
+
+    from calm_lightning.pipeline import run_experiment
+
+    runs = []
+    for seed in (0, 1):
+        out = tmp_path / f"tiny_s{seed}"
+        overrides = ["model=tiny", "peft.r=4", "trainer.max_steps=3", "setting.test.limit=8"]
+        overrides += [f"seed={seed}", "logger=csv", "trainer.enable_progress_bar=false"]
+        run_experiment(compose(overrides, out))
+        runs.append(out)
+    table = _run("calm_runs.py", *map(str, runs))
+    metrics = json.loads((runs[0] / "metrics.json").read_text())["metrics"]
+    row = next(line for line in table.splitlines() if line.startswith("| tiny_s0 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "3"  # outer steps logged
+    assert cells[3] == f"{metrics['conf_ece']:.3f}"
+    assert cells[5] == f"{metrics['mean_confidence']:.3f}"
+    assert "| tiny (n=2) |" in table  # seeds grouped by label
