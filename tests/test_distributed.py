@@ -211,7 +211,7 @@ def _predictions(run: Path) -> list[dict]:
     "method,extra",
     [
         # letter-scored MCQA (demo_id), as in docs/scaling.md; CALM's hand-made gradients
-        ("calm", ["trainer.max_steps=4"]),
+        ("calm", ["trainer.max_steps=4", "method.module.surrogate.schedule=per_step"]),
         # the amortized surrogate: its refresh reads T - 1 more batches from its own loader
         (
             "calm",

@@ -51,7 +51,10 @@ AMORTIZED = [
 ]
 
 
-@pytest.mark.parametrize("extra", [[], AMORTIZED], ids=["per_step", "amortized"])
+PER_STEP = ["method.module.surrogate.schedule=per_step"]
+
+
+@pytest.mark.parametrize("extra", [PER_STEP, AMORTIZED], ids=["per_step", "amortized"])
 def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, compose, extra):
     run = [*RUN, *extra]
     full = run_experiment(compose(run, tmp_path / "full")).metrics
