@@ -17,13 +17,12 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from calm_lightning.errors import CalmLightningError, ExportError
+from calm_lightning.errors import ExportError, run_command
 from calm_lightning.logits_processor import ADAPTER_DIR, CALIBRATION_FILE
 from calm_lightning.models.logit_adjustment import HEAD_FILE
 
@@ -466,21 +465,13 @@ def calibration_info(run: RunToExport, tokenizer, head, merged: bool, dtype: str
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; errors the user can fix print their message without a traceback."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__.split("\n\n")[0] + "\n\n" + USAGE)
-        return 0
-    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    try:
-        options = parse_arguments(argv)
+
+    def action(args: list[str]) -> str:
+        options = parse_arguments(args)
         out = export_run(**{f.name: getattr(options, f.name) for f in fields(ExportOptions)})
-    except CalmLightningError as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"\nerror: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
-        return 1
-    print(f"exported to {out} (see {out / 'README.md'})")
-    return 0
+        return f"exported to {out} (see {out / 'README.md'})"
+
+    return run_command(argv, __doc__.split("\n\n")[0], USAGE, action)
 
 
 if __name__ == "__main__":

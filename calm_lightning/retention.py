@@ -15,11 +15,9 @@ dotlist rather than Hydra: there is nothing to compose.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from pathlib import Path
 
-from calm_lightning.errors import CalmLightningError, ConfigError
+from calm_lightning.errors import ConfigError, run_command
 
 log = logging.getLogger(__name__)
 
@@ -139,25 +137,17 @@ def evaluate_run(
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; errors the user can fix print their message without a traceback."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__.split("\n\n")[0] + "\n\n" + USAGE)
-        return 0
-    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    try:
-        arguments = parse_arguments(argv)
+
+    def action(args: list[str]) -> None:
+        arguments = parse_arguments(args)
         evaluate_run(
             arguments.pop("run_dir"),
             arguments,
             out=arguments.pop("out", None),
             overwrite=_boolean(arguments.pop("overwrite", False)),
         )
-    except CalmLightningError as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"\nerror: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
-        return 1
-    return 0
+
+    return run_command(argv, __doc__.split("\n\n")[0], USAGE, action)
 
 
 if __name__ == "__main__":
