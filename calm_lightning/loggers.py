@@ -30,7 +30,10 @@ def _wandb_overrides(cfg: DictConfig, node: DictConfig, resume_from: str | None)
 
             # W&B run ids are short lowercase alphanumerics; any unique such string works.
             run_id = secrets.token_hex(4)
-        (out / WANDB_ID_FILE).write_text(run_id)
+        from calm_lightning.distributed import is_main_process
+
+        if is_main_process():  # DDP children start later and read rank 0's id
+            (out / WANDB_ID_FILE).write_text(run_id)
         extra["id"] = run_id
     if not node.get("group"):
         from calm_lightning.resolvers import in_multirun

@@ -264,6 +264,27 @@ def test_distributed_mcqa_evaluation_and_posthoc_fit_equal_one_process(tmp_path)
     assert a["posthoc"]["temperature"] == pytest.approx(b["posthoc"]["temperature"], rel=1e-9)
 
 
+def test_daca_under_ddp_fits_the_single_process_temperature_and_writes_one_cache(tmp_path):
+    # DACA's pass runs the PoLM and the PLM's logit lens on every process; one writes the cache
+    common = [
+        *TINY,
+        "model.tiny.logit_scale=4.0",
+        "reference_model=tiny_plm",
+        "method=daca",
+        "setting=demo_posthoc",
+        "setting.test.source.limit=120",
+        "method.module.reference_prompt=chat",
+    ]
+    _cli(tmp_path / "ddp", *common, *DDP, f"method.module.cache_dir={tmp_path / 'c2'}")
+    _cli(tmp_path / "one", *common, f"method.module.cache_dir={tmp_path / 'c1'}")
+    _same_predictions(tmp_path / "ddp", tmp_path / "one")
+    a, b = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "one")
+    assert a["posthoc"]["temperature"] == pytest.approx(b["posthoc"]["temperature"], rel=1e-9)
+    assert a["posthoc"]["temperature"] == pytest.approx(4.0, rel=0.05)  # the known answer
+    assert len(list((tmp_path / "c2").rglob("*.pt"))) == 1
+    assert not list((tmp_path / "c2").rglob("*.tmp"))
+
+
 def test_distributed_openqa_samples_do_not_depend_on_the_world_size(tmp_path, gen_ood):
     common = [*gen_ood("method=base"), "logger=none", "evaluation.openqa.n_samples=4"]
     _cli(tmp_path / "ddp", *common, *DDP)

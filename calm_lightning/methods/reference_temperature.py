@@ -17,6 +17,7 @@ import gc
 import hashlib
 import json
 import logging
+import os
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from calm_lightning.calibrators.reference import (
 )
 from calm_lightning.data.collate import pad_left
 from calm_lightning.data.prompts import mcqa_plain_prompt, mcqa_user_text, render_prompt
+from calm_lightning.distributed import is_main_process
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.mcqa import (
     OptionTokens,
@@ -265,9 +267,11 @@ class ReferenceTemperature(PosthocTemperature):
             "letters": self.option_tokens.letters,
         }
         self._rows = {}
-        if self.use_cache:
+        # Under DDP every process computed the same lens logits; one writes the cache (a
+        # temporary name of its own, then an atomic rename).
+        if self.use_cache and is_main_process():
             self._cache_file.parent.mkdir(parents=True, exist_ok=True)
-            partial = self._cache_file.with_suffix(".tmp")
+            partial = self._cache_file.with_suffix(f".{os.getpid()}.tmp")
             torch.save(self._lens, partial)
             partial.replace(self._cache_file)
 
