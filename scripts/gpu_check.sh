@@ -3,8 +3,8 @@
 # on CUDA, for the tiny model and the embedded SmolLM2. Prints one PASS / FAIL line per check
 # and exits non-zero if any failed; each check's log goes to <out>/<check>.log.
 #
-#   bash scripts/gpu_check.sh                  # every check (about 10 min on one GPU)
-#   bash scripts/gpu_check.sh --quick          # the tiny-model checks only (about 2 min)
+#   bash scripts/gpu_check.sh                  # every check (a few minutes per SmolLM2 check)
+#   bash scripts/gpu_check.sh --quick          # the tiny-model checks only
 #   bash scripts/gpu_check.sh --dry-run        # print the commands, run nothing
 #   bash scripts/gpu_check.sh --out DIR --python PATH
 #
