@@ -96,38 +96,29 @@ class GlobalMean:
     def weight(self, count) -> torch.Tensor:
         return self.share(count) * world()[1]
 
-    def value(self, loss: torch.Tensor, count) -> torch.Tensor:
+    def _weighted_sum(self, tensors: Sequence[torch.Tensor | None], count) -> list:
+        """Sum over ranks of share x tensor, for every tensor in one collective; None (a
+        parameter the loss does not reach, the same on every rank) stays None."""
+        tensors = [None if t is None else t.detach() for t in tensors]
         if not is_distributed():
-            return loss.detach()
-        return all_reduce_sum([loss.detach() * self.share(count).to(loss.dtype)])[0]
+            return tensors
+        share = self.share(count)
+        present = [i for i, t in enumerate(tensors) if t is not None]
+        summed = all_reduce_sum([tensors[i] * share.to(tensors[i].dtype) for i in present])
+        for i, t in zip(present, summed, strict=True):
+            tensors[i] = t
+        return tensors
+
+    def value(self, loss: torch.Tensor, count) -> torch.Tensor:
+        return self._weighted_sum([loss], count)[0]
 
     def gradients(self, grads: Sequence[torch.Tensor | None], count) -> list:
-        """Shares of the gradients summed over ranks; None (a parameter the loss does not
-        reach, the same on every rank) stays None."""
-        grads = list(grads)
-        if not is_distributed():
-            return grads
-        share = self.share(count)
-        present = [i for i, g in enumerate(grads) if g is not None]
-        summed = all_reduce_sum([grads[i] * share.to(grads[i].dtype) for i in present])
-        for i, g in zip(present, summed, strict=True):
-            grads[i] = g
-        return grads
+        return self._weighted_sum(grads, count)
 
     def both(self, loss: torch.Tensor, grads, count) -> tuple[torch.Tensor, list]:
-        """`value` and `gradients` with one share computed (two collectives, not three)."""
-        if not is_distributed():
-            return loss.detach(), list(grads)
-        share = self.share(count)
-        grads = list(grads)
-        present = [i for i, g in enumerate(grads) if g is not None]
-        summed = all_reduce_sum(
-            [loss.detach().reshape(1) * share.to(loss.dtype)]
-            + [grads[i] * share.to(grads[i].dtype) for i in present]
-        )
-        for i, g in zip(present, summed[1:], strict=True):
-            grads[i] = g
-        return summed[0].reshape(()), grads
+        """`value` and `gradients` with one share and one sum (two collectives, not four)."""
+        out = self._weighted_sum([loss, *grads], count)
+        return out[0], out[1:]
 
 
 class ShardedBatchSampler(torch.utils.data.Sampler):

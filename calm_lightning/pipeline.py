@@ -209,7 +209,6 @@ def run_experiment(cfg: DictConfig) -> RunResult:
         # calibrate
         with stopwatch.phase("calibrate"):
             fitted = module.calibrate(trainer, datamodule, ckpt_path)
-        main = trainer.is_global_zero
         if module.changes_model and main:
             module.save_calibration(out / "calibration")
         # evaluate
