@@ -29,19 +29,21 @@ MCQA_FILES = {
 }
 
 
-def _compose_run(overrides: list[str] | None = None, output_dir=None):
-    """Compose the primary config like `python -m calm_lightning.run` would."""
+def _compose_run(overrides: list[str] | None = None, output_dir=None, hydra: bool = False):
+    """Compose the primary config like `python -m calm_lightning.run` would (`hydra`: with the
+    `hydra` node: launcher, sweeper, run mode)."""
     overrides = list(overrides or [])
     if output_dir is not None:
         overrides.append(f"paths.output_dir={output_dir}")
     with initialize_config_module("calm_lightning.conf", version_base="1.3"):
-        return hydra_compose("run", overrides=overrides)
+        return hydra_compose("run", overrides=overrides, return_hydra_config=hydra)
 
 
 @pytest.fixture(scope="session")
 def compose():
-    """`compose(overrides, output_dir=None)`: the primary config like `python -m
-    calm_lightning.run` would compose it, with `paths.output_dir` set when given."""
+    """`compose(overrides, output_dir=None, hydra=False)`: the primary config like `python -m
+    calm_lightning.run` would compose it, with `paths.output_dir` set when given and the
+    `hydra` node when asked."""
     return _compose_run
 
 
@@ -60,6 +62,25 @@ def ood_overrides() -> list[str]:
         "setting.heldout_batch_size=2",
         "setting.eval_batch_size=4",
         "setting.max_length=128",
+    ]
+
+
+@pytest.fixture
+def resume_overrides() -> list[str]:
+    """A tiny CALM run of 2 epochs x 2 batches that trains visibly (a large head LR): what the
+    kill-and-resume tests interrupt after its first epoch."""
+    return [
+        "model=tiny",
+        "method=calm",
+        "peft.r=4",
+        "setting.test.limit=8",
+        "trainer.limit_train_batches=2",
+        "trainer.max_epochs=2",
+        "method.module.inner_steps=1",
+        "method.module.upper_lr=0.05",
+        "evaluation.compare_with_base=false",
+        "trainer.enable_progress_bar=false",
+        "logger=none",
     ]
 
 

@@ -100,10 +100,9 @@ def test_bilevel_step_converges_on_a_quadratic_toy_problem():
     torch.testing.assert_close(theta.detach(), A @ alpha_star, atol=4e-2, rtol=0)
 
 
-def test_residual_gradients_match_the_definition():
-    """grad_theta q = grad_theta g(theta) and
-    grad_alpha q = grad_alpha g(theta) - grad_alpha g(theta~), with theta~ after T explicit SGD
-    steps; computed here by hand for the quadratic."""
+def _quadratic():
+    """g(alpha, theta) = 1/2 |theta - A alpha|^2 (theta~ replaces theta when given): A, the
+    leaf tensors theta and alpha, and the lower loss in bilevel_gradients' signature."""
     A = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
     theta = torch.tensor([0.5, -1.0], requires_grad=True)
     alpha = torch.tensor([0.3, 0.7], requires_grad=True)
@@ -111,6 +110,15 @@ def test_residual_gradients_match_the_definition():
     def lower(surrogate, track):
         t = theta if surrogate is None else surrogate[0]
         return 0.5 * (t - A @ alpha).pow(2).sum()
+
+    return A, theta, alpha, lower
+
+
+def test_residual_gradients_match_the_definition():
+    """grad_theta q = grad_theta g(theta) and
+    grad_alpha q = grad_alpha g(theta) - grad_alpha g(theta~), with theta~ after T explicit SGD
+    steps; computed here by hand for the quadratic."""
+    A, theta, alpha, lower = _quadratic()
 
     def upper():
         return (theta * alpha).sum() + alpha.pow(2).sum()
@@ -283,13 +291,7 @@ def test_entropy_matches_the_textbook_formula():
 def test_adam_inner_steps_match_torch_adam_with_fresh_moments():
     """inner_optimizer=adam: theta~ after T steps equals torch.optim.Adam (no weight decay)
     started afresh at theta, on the quadratic g = 1/2 |theta - A alpha|^2."""
-    A = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
-    theta = torch.tensor([0.5, -1.0], requires_grad=True)
-    alpha = torch.tensor([0.3, 0.7], requires_grad=True)
-
-    def lower(surrogate, track):
-        t = theta if surrogate is None else surrogate[0]
-        return 0.5 * (t - A @ alpha).pow(2).sum()
+    A, theta, alpha, lower = _quadratic()
 
     T, rho, betas = 4, 0.1, (0.9, 0.95)
     grads = bilevel_gradients(

@@ -118,16 +118,10 @@ def test_unknown_key_is_rejected(tmp_path, compose):
 
 
 @pytest.mark.parametrize("sweep", options("sweep"))
-def test_every_sweep_composes_as_a_multirun(sweep, tmp_path):
-    from hydra import compose, initialize_config_module
+def test_every_sweep_composes_as_a_multirun(sweep, tmp_path, compose):
     from hydra.types import RunMode
 
-    with initialize_config_module("calm_lightning.conf", version_base="1.3"):
-        cfg = compose(
-            "run",
-            overrides=[f"+sweep={sweep}", f"paths.output_dir={tmp_path}"],
-            return_hydra_config=True,
-        )
+    cfg = compose([f"+sweep={sweep}"], tmp_path, hydra=True)
     assert cfg.hydra.mode == RunMode.MULTIRUN
     params = dict(cfg.hydra.sweeper.params)
     assert params and all("," in str(v) for v in params.values())
@@ -135,21 +129,10 @@ def test_every_sweep_composes_as_a_multirun(sweep, tmp_path):
     assert first_line.startswith("# ") and ("?" in first_line or ":" in first_line)
 
 
-def test_cluster_launcher_and_optuna_sweeper_compose(tmp_path):
+def test_cluster_launcher_and_optuna_sweeper_compose(tmp_path, compose):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module("calm_lightning.conf", version_base="1.3"):
-        cfg = compose(
-            "run",
-            overrides=[
-                "hydra/launcher=slurm",
-                "+sweep=optuna_calm",
-                f"paths.output_dir={tmp_path}",
-            ],
-            return_hydra_config=True,
-        )
+    cfg = compose(["hydra/launcher=slurm", "+sweep=optuna_calm"], tmp_path, hydra=True)
     assert "submitit" in cfg.hydra.launcher._target_ and cfg.hydra.launcher.gpus_per_node == 1
     assert "optuna" in cfg.hydra.sweeper._target_.lower()
     assert cfg.hydra.sweeper.direction == "minimize" and cfg.method.name == "calm"

@@ -296,17 +296,11 @@ def test_distributed_openqa_samples_do_not_depend_on_the_world_size(tmp_path, ge
 RUNS = ("full", "resumed")
 
 
-def test_kill_and_resume_under_ddp_equals_the_uninterrupted_run(tmp_path):
+def test_kill_and_resume_under_ddp_equals_the_uninterrupted_run(tmp_path, resume_overrides):
+    # test_resume's run, on 2 processes
     common = [
-        *TINY,
+        *resume_overrides,
         *DDP,
-        "method=calm",
-        "setting.test.limit=8",
-        "trainer.limit_train_batches=2",
-        "trainer.max_epochs=2",
-        "method.module.inner_steps=1",
-        "method.module.upper_lr=0.05",
-        "evaluation.compare_with_base=false",
         "peft.lora_dropout=0.1",  # each rank's own masks must come back on resume
     ]
     _cli(tmp_path / "full", *common)
@@ -364,23 +358,10 @@ def test_fsdp_refuses_the_autograd_grad_methods_before_loading(compose, method):
         method_class(cfg).check_requirements(cfg, build_datamodule(cfg).sources)
 
 
-def test_multi_node_slurm_config_composes(tmp_path):
+def test_multi_node_slurm_config_composes(tmp_path, compose):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module("calm_lightning.conf", version_base="1.3"):
-        cfg = compose(
-            "run",
-            overrides=[
-                "model=tiny",
-                "trainer=ddp",
-                "trainer.devices=4",
-                "trainer.num_nodes=2",
-                "hydra/launcher=slurm_ddp",
-                f"paths.output_dir={tmp_path}",
-            ],
-            return_hydra_config=True,
-        )
+    overrides = ["model=tiny", "trainer=ddp", "trainer.devices=4", "trainer.num_nodes=2"]
+    cfg = compose([*overrides, "hydra/launcher=slurm_ddp"], tmp_path, hydra=True)
     launcher = cfg.hydra.launcher
     assert "submitit" in launcher._target_ and launcher.timeout_min > 0  # slurm.yaml's values
     assert launcher.nodes == cfg.trainer.num_nodes == 2

@@ -12,20 +12,6 @@ import pytest
 from calm_lightning.errors import ConfigError
 from calm_lightning.pipeline import run_experiment
 
-RUN = [
-    "model=tiny",
-    "method=calm",
-    "peft.r=4",
-    "setting.test.limit=8",
-    "trainer.limit_train_batches=2",
-    "trainer.max_epochs=2",
-    "method.module.inner_steps=1",
-    "method.module.upper_lr=0.05",
-    "evaluation.compare_with_base=false",
-    "trainer.enable_progress_bar=false",
-    "logger=none",
-]
-
 
 class KillAtSecondEpoch(L.Callback):
     """Stands in for a killed process: dies as the second epoch starts (after the epoch-end
@@ -55,8 +41,8 @@ PER_STEP = ["method.module.surrogate.schedule=per_step"]
 
 
 @pytest.mark.parametrize("extra", [PER_STEP, AMORTIZED], ids=["per_step", "amortized"])
-def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, compose, extra):
-    run = [*RUN, *extra]
+def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, compose, resume_overrides, extra):
+    run = [*resume_overrides, *extra]
     full = run_experiment(compose(run, tmp_path / "full")).metrics
     killed = compose(
         [*run, "+callbacks.kill._target_=tests.test_resume.KillAtSecondEpoch"], tmp_path / "killed"
@@ -77,6 +63,6 @@ def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, compose, extra):
     assert not np.allclose(_probs(tmp_path / "full")[:, 0], 0.25)
 
 
-def test_missing_checkpoint_is_a_clear_error(tmp_path, compose):
+def test_missing_checkpoint_is_a_clear_error(tmp_path, compose, resume_overrides):
     with pytest.raises(ConfigError, match="no checkpoint at"):
-        run_experiment(compose([*RUN, f"ckpt_path={tmp_path / 'nowhere'}"], tmp_path))
+        run_experiment(compose([*resume_overrides, f"ckpt_path={tmp_path / 'nowhere'}"], tmp_path))
