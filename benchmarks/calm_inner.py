@@ -28,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", nargs="+", default=DEFAULT_PAIRS, help="optimizer:rho")
     parser.add_argument("--batches", type=int, default=2, help="training batches probed")
-    parser.add_argument("--inner-steps", type=int, default=3, help="T")
+    parser.add_argument("--inner-steps", type=int, default=20, help="T (paper: 20)")
     args = parser.parse_args(rest)
 
     import lightning as L
@@ -46,7 +46,9 @@ def main() -> None:
     datamodule = build_datamodule(cfg, loaded.tokenizer)
     datamodule.setup("fit")
     module = build_method(cfg, loaded)
-    module.model.train()
+    # LoRA dropout off, as CALM measures q (its residual passes run without dropout): the
+    # drop is then the inner steps' effect, not dropout noise.
+    module.model.eval()
     module.upper_objective = "vocab"
     names, theta = module._theta()
     alpha = module._alpha()

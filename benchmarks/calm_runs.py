@@ -2,7 +2,7 @@
 
 For each `<run dir>` (made by `python -m calm_lightning.run method=calm ... logger=csv`) prints
 accuracy, conf-ECE, NLL and mean confidence from metrics.json, and from csv/metrics.csv the
-held-out entropy, lambda, q, g and the inner drop at the first and the last outer step, and
+held-out entropy, lambda, q, q / g, g and the head's mean d at the first and the last outer step, and
 the mean q. Run
 dirs named `<label>_s<seed>` are also grouped by label (mean +- std over seeds).
 
@@ -18,7 +18,7 @@ import re
 import statistics
 from pathlib import Path
 
-TRAJECTORY = ["entropy", "lambda", "q", "g", "inner_drop"]
+TRAJECTORY = ["entropy", "lambda", "q", "q_rel", "g", "d_mean"]
 
 
 def summarise(run_dir: Path) -> dict:
@@ -51,7 +51,8 @@ COLUMNS = [
     ("lambda_first", "{:.2f}"),
     ("lambda_last", "{:.2f}"),
     ("q_mean", "{:.4f}"),
-    ("inner_drop_first", "{:.4f}"),
+    ("q_rel_first", "{:.2%}"),
+    ("d_mean_last", "{:.4f}"),
     ("g_first", "{:.2f}"),
     ("g_last", "{:.2f}"),
 ]

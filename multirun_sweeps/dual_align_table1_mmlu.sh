@@ -12,7 +12,7 @@ with setting=posthoc_mmlu and reference_model= the PLM whose pairs_with is the m
 (conf/reference_model/; pass reference_model=... to choose another). The report averages
 the seeds (mean +- std of ECE, MCE, ACE, Brier, accuracy)."
 DEFAULT_MODELS=llama31_8b_instruct,qwen25_14b_instruct,gemma3_27b_it
-SMOKE_ARGS="model.tiny.logit_scale=4 setting=demo_posthoc setting.test.source.limit=40"
+SMOKE_ARGS="model.logit_scale=4 setting=demo_posthoc setting.test.source.limit=40"
 
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 parse_args "$@"

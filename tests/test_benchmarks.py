@@ -38,6 +38,7 @@ def test_calm_epoch_benchmark_runs_on_the_tiny_model():
         *("--seq", "32", "--batch", "2", "--epoch-batches", "20"),
     )
     assert "epoch ratio vs reg, N=   20" in out and "peak memory amortized" in out
+    assert any("amortized ratio" in line for line in out.splitlines())
 
 
 def test_sampling_benchmark_runs_on_the_tiny_model():

@@ -148,7 +148,10 @@ def test_residual_gradients_match_the_definition():
 def _tiny_calm(tiny_loaded, head_kind="vector", **kwargs) -> CALM:
     lm = wrap_with_lora(copy.deepcopy(tiny_loaded.model), {"r": 4, "lora_alpha": 8})
     head = LogitAdjustment(lm.get_output_embeddings().weight.shape[0], kind=head_kind)
-    options = dict(inner_steps=2, lower_lr=1e-2, upper_lr=1e-2, warmup_ratio=0.0)
+    options = dict(
+        inner_steps=2, lower_lr=1e-2, upper_lr=1e-2, warmup_ratio=0.0, inner_optimizer="sgd",
+        surrogate={"schedule": "per_step"},
+    )  # fmt: skip
     options.update(kwargs)
     return CALM(CalibratedLM(lm, head), tiny_loaded.tokenizer, **options)
 
@@ -310,8 +313,16 @@ def test_adam_inner_steps_match_torch_adam_with_fresh_moments():
     assert grads.g_surrogate.item() == pytest.approx(expected_g_tilde, rel=1e-6)
 
 
-def test_a_stored_surrogate_takes_no_inner_step():
-    """inner_losses=[] with a start: theta~ is the start itself, q = g(theta) - g(start)."""
+def _stored(tensors, kind="sgd", rho=0.1):
+    from calm_lightning.methods.calm import InnerStep, PersistentSurrogate
+
+    persistent = PersistentSurrogate(InnerStep(kind, rho))
+    persistent.tensors = [t.clone() for t in tensors]
+    return persistent
+
+
+def _shifted_quadratic():
+    """g = sum (theta - alpha)^2 on two entries; theta and alpha leaf tensors."""
     theta = torch.tensor([1.0, 2.0], requires_grad=True)
     alpha = torch.tensor([0.5], requires_grad=True)
 
@@ -319,14 +330,51 @@ def test_a_stored_surrogate_takes_no_inner_step():
         t = theta if surrogate is None else surrogate[0]
         return ((t - alpha) ** 2).sum()
 
-    start = [torch.tensor([0.0, 0.5])]
+    return theta, alpha, lower
+
+
+def test_a_persistent_surrogate_ahead_of_theta_is_measured_then_stepped():
+    """amortized: q = g(theta) - g(stored theta~) with the stored tensors as they are, and the
+    stored theta~ then takes one SGD step of its own on this batch (m = 1)."""
+    theta, alpha, lower = _shifted_quadratic()
+    start = torch.tensor([0.0, 0.5])
+    persistent = _stored([start], rho=0.1)
     grads = bilevel_gradients(
-        [theta], [alpha], lower, lambda: theta.sum(), 3, 0.1, inner_losses=[], start=start
+        [theta], [alpha], lower, lambda: theta.sum(), 1, 0.1, persistent=persistent
     )
     assert grads.q.item() == pytest.approx((0.5**2 + 1.5**2) - (0.5**2 + 0.0**2))
     # grad_alpha q = -2 sum(theta - alpha) + 2 sum(start - alpha)
     expected = -2 * (0.5 + 1.5) + 2 * (-0.5 + 0.0)
     torch.testing.assert_close(grads.grad_q[1], torch.tensor([expected]))
+    # theta~ <- start - rho * 2 (start - alpha), kept for the next outer step
+    stepped = start - 0.1 * 2 * (start - 0.5)
+    torch.testing.assert_close(persistent.tensors[0], stepped)
+    assert persistent.resyncs == 0 and not persistent.resynced
+    # The next call starts from the stepped tensors, not from theta.
+    again = bilevel_gradients(
+        [theta], [alpha], lower, lambda: theta.sum(), 1, 0.1, persistent=persistent
+    )
+    assert again.g_surrogate.item() == pytest.approx(float(((stepped - 0.5) ** 2).sum()))
+
+
+def test_a_persistent_surrogate_behind_theta_is_resynchronised():
+    """q < 0 with the stored theta~ (theta already does better): theta~ <- theta plus one fresh
+    inner step, and q is the drop of that step, computed here by hand."""
+    theta, alpha, lower = _shifted_quadratic()
+    persistent = _stored([torch.tensor([5.0, -5.0])], kind="adam", rho=0.1)
+    persistent.step.count = 7  # moments from earlier steps: a re-sync starts them afresh
+    persistent.step.m = [torch.ones(2)]
+    persistent.step.v = [torch.ones(2)]
+    grads = bilevel_gradients(
+        [theta], [alpha], lower, lambda: theta.sum(), 1, 0.1, persistent=persistent
+    )
+    assert persistent.resyncs == 1 and persistent.resynced
+    # A fresh Adam's first step moves every element by rho along the gradient's sign.
+    expected = theta.detach() - 0.1 * torch.sign(theta.detach() - 0.5)
+    torch.testing.assert_close(persistent.tensors[0], expected)
+    g_theta = float(((theta.detach() - 0.5) ** 2).sum())
+    assert grads.q.item() == pytest.approx(g_theta - float(((expected - 0.5) ** 2).sum()))
+    assert grads.q.item() > 0 and persistent.step.count == 1
 
 
 def _train_batches(tokenizer, n: int) -> list[dict]:
@@ -350,104 +398,89 @@ def _run_outer_steps(module: CALM, batches: list[dict], feed=None) -> list:
     return out
 
 
-def test_amortized_refreshed_every_step_on_the_same_batch_equals_per_step(tiny_loaded):
+def test_amortized_first_step_with_m_equal_t_is_the_per_step_estimator(tiny_loaded):
+    """Before theta~ exists, the amortized schedule fits it from theta on this batch: with
+    m = T steps its first outer step is exactly per_step's; later steps start from the stored
+    theta~ instead, and so differ."""
     batches = _train_batches(tiny_loaded.tokenizer, 3)
     torch.manual_seed(0)  # the same LoRA initialisation for both
     per_step = _tiny_calm(tiny_loaded, inner_steps=3, lower_lr=0.05)
     torch.manual_seed(0)
     amortized = _tiny_calm(
-        tiny_loaded,
-        inner_steps=3,
-        lower_lr=0.05,
-        surrogate={"schedule": "amortized", "refresh_every": 1},
+        tiny_loaded, inner_steps=3, lower_lr=0.05, surrogate={"schedule": "amortized", "steps": 3}
     )
     initial = _snapshot(per_step)
-    asked = []
-
-    def same_batch(batch):
-        # The refresh's T - 1 extra batches are this step's batch again.
-        def provide(n):
-            asked.append(n)
-            return [batch["train"]] * n
-
-        amortized.surrogate_batches = provide
-
     assert all(torch.equal(v, _snapshot(amortized)[n]) for n, v in initial.items())
-    torch.manual_seed(1)  # the same LoRA dropout masks for both
-    _run_outer_steps(per_step, batches)
-    torch.manual_seed(1)
-    _run_outer_steps(amortized, batches, feed=same_batch)
-    assert asked == [2, 2, 2]
+    first_p = _run_outer_steps(per_step, batches[:1])[0][0]
+    first_a = _run_outer_steps(amortized, batches[:1])[0][0]
     a, b = _snapshot(per_step), _snapshot(amortized)
     assert all(torch.equal(a[n], b[n]) for n in a)
-    assert not all(torch.equal(a[n], initial[n]) for n in a)
+    assert first_a.q.item() == pytest.approx(first_p.q.item(), rel=1e-6)
+    later_p = _run_outer_steps(per_step, batches[1:])
+    later_a = _run_outer_steps(amortized, batches[1:])
+    assert later_p[0][0].q.item() != pytest.approx(later_a[0][0].q.item(), rel=1e-6)
 
 
-def test_amortized_surrogate_is_stored_unchanged_between_refreshes(tiny_loaded):
-    batches = _train_batches(tiny_loaded.tokenizer, 4) * 2  # 8 outer steps
+def test_amortized_surrogate_keeps_descending_and_never_aliases_theta(tiny_loaded):
+    """The persistent theta~ moves at every outer step (never frozen), stays separate tensors
+    from the live adapters, and g(theta~) on a step's batch is the stored tensors' loss."""
+    batches = _train_batches(tiny_loaded.tokenizer, 4)
     module = _tiny_calm(
-        tiny_loaded, inner_steps=2, surrogate={"schedule": "amortized", "refresh_every": 3}
-    )
-    others = _train_batches(tiny_loaded.tokenizer, 4)[1:]
-    refreshed_at = []
-    module.surrogate_batches = lambda n: (
-        refreshed_at.append(module.outer_step) or [b["train"] for b in others[:n]]
-    )
+        tiny_loaded, inner_steps=2, lower_lr=1e-3, inner_lr=0.2,
+        surrogate={"schedule": "amortized", "steps": 1},
+    )  # fmt: skip
     names, theta = module._theta()
     stored, expected = [], []
 
     def check(batch):
-        if module.surrogate is not None:
-            stored.append([t.clone() for t in module.surrogate])
+        tensors = module.persistent.tensors
+        if tensors is not None:
+            stored.append([t.clone() for t in tensors])
             live = {p.data_ptr() for p in theta}
-            assert not any(t.data_ptr() in live for t in module.surrogate)
-        if module.outer_step == 4:  # between refreshes: g(alpha, stored theta~) by hand
+            assert not any(t.data_ptr() in live for t in tensors)
             with torch.no_grad():
-                expected.append(module.lower_loss_fn(batch["train"], names)(stored[-1], False))
+                expected.append(module.lower_loss_fn(batch["train"], names)(tensors, False))
 
     results = _run_outer_steps(module, batches, feed=check)
-    assert refreshed_at == [0, 3, 6] and module.refreshes == 3
-    # stored[k] = theta~ held as step k + 1 starts: fitted at step 0 for k = 0, 1, 2, at
-    # step 3 for k = 3, 4, 5, at step 6 for k = 6.
-    for before, after in ((0, 1), (1, 2), (3, 4), (4, 5)):
-        assert all(torch.equal(x, y) for x, y in zip(stored[before], stored[after], strict=True))
-    for before, after in ((2, 3), (5, 6)):
-        assert not all(
-            torch.equal(x, y) for x, y in zip(stored[before], stored[after], strict=True)
+    assert len(stored) == 3
+    for before, after in zip(stored, stored[1:], strict=False):
+        assert not all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    for (grads, _), value in zip(results[1:], expected, strict=True):
+        if not module.persistent.resynced:
+            assert grads.g_surrogate.item() == pytest.approx(value.item(), rel=1e-6)
+    assert all(grads.q.item() >= 0 for grads, _ in results)  # ahead, or re-synced
+
+
+def test_residual_passes_run_without_dropout_unless_asked(tiny_loaded):
+    """LoRA dropout 0.5, train mode: the lower loss is deterministic when residual_dropout is
+    off (q measures the inner steps) and differs between two calls when it is on."""
+    batch = _train_batches(tiny_loaded.tokenizer, 1)[0]["train"]
+    values = {}
+    for flag in (False, True):
+        lm = wrap_with_lora(
+            copy.deepcopy(tiny_loaded.model), {"r": 4, "lora_alpha": 8, "lora_dropout": 0.5}
         )
-    # At a step between refreshes, g(theta~) is the stored tensors on this step's batch.
-    grads, _ = results[4]
-    assert grads.g_surrogate.item() == pytest.approx(expected[0].item(), rel=1e-6)
-
-
-def test_amortized_refreshes_once_per_epoch_by_default_over_distinct_batches(tiny_loaded, tmp_path):
-    import lightning as L
-
-    module = _tiny_calm(tiny_loaded, inner_steps=3, surrogate={"schedule": "amortized"})
-    seen = []
-    original = module.surrogate_batches
-
-    def record(n):
-        batches = original(n)
-        seen.append((module.outer_step, [tuple(b["ids"]) for b in batches]))
-        return batches
-
-    module.surrogate_batches = record
-    trainer = L.Trainer(
-        max_epochs=2, limit_train_batches=3, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-        accelerator="cpu",
-    )  # fmt: skip
-    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
-    assert [step for step, _ in seen] == [0, 3]  # the first outer step of each epoch
-    for _, ids in seen:
-        flat = [i for batch in ids for i in batch]
-        assert len(ids) == 2 and len(set(flat)) == len(flat)  # T - 1 distinct batches
-    assert seen[0][1] != seen[1][1]  # each refresh reads batches of its own
+        head = LogitAdjustment(lm.get_output_embeddings().weight.shape[0])
+        module = CALM(
+            CalibratedLM(lm, head), tiny_loaded.tokenizer, inner_optimizer="sgd",
+            surrogate={"schedule": "per_step"}, residual_dropout=flag,
+        )  # fmt: skip
+        with torch.no_grad():  # B = 0 at init: make the adapters (and their dropout) matter
+            for name, p in module.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        module.train()
+        names, _ = module._theta()
+        lower = module.lower_loss_fn(batch, names)
+        torch.manual_seed(0)
+        values[flag] = [lower(None, False).item() for _ in range(2)]
+        assert all(m.training for m in module.modules() if isinstance(m, torch.nn.Dropout))
+    assert values[False][0] == values[False][1]
+    assert values[True][0] != values[True][1]
 
 
 def test_inner_drop_is_g_theta_minus_g_surrogate_by_hand(tiny_loaded, tmp_path):
-    """per_step: the logged inner drop is g(theta) - g(theta~) with theta~ after T SGD steps
+    """per_step: the logged residual q is g(theta) - g(theta~) with theta~ after T SGD steps
     of size inner_lr (not lower_lr) on the step's batch, computed here by hand."""
     import lightning as L
 
@@ -463,8 +496,9 @@ def test_inner_drop_is_g_theta_minus_g_surrogate_by_hand(tiny_loaded, tmp_path):
             captured["batch"] = batch["train"]
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            captured["drop"] = float(trainer.callback_metrics["calm/inner_drop"])
             captured["q"] = float(trainer.callback_metrics["calm/q"])
+            captured["q_rel"] = float(trainer.callback_metrics["calm/q_rel"])
+            captured["g"] = float(trainer.callback_metrics["calm/g"])
 
     trainer = L.Trainer(
         max_epochs=1, limit_train_batches=1, logger=False, enable_checkpointing=False,
@@ -490,13 +524,14 @@ def test_inner_drop_is_g_theta_minus_g_surrogate_by_hand(tiny_loaded, tmp_path):
         }
     with torch.no_grad():
         expected = g(captured["theta"]) - g(surrogate)
-    assert captured["drop"] == pytest.approx(expected.item(), rel=1e-4)
-    assert captured["drop"] == pytest.approx(captured["q"])  # per_step: the drop is q
+    assert captured["q"] == pytest.approx(expected.item(), rel=1e-4)  # per_step: q is the drop
+    assert captured["q_rel"] == pytest.approx(captured["q"] / captured["g"], rel=1e-6)
     assert expected.item() > 1e-3  # inner_lr 0.5 moved the surrogate (1e-3 would barely)
 
 
 def test_amortized_surrogate_goes_into_the_checkpoint(tiny_loaded, tmp_path):
-    module = _tiny_calm(tiny_loaded, surrogate={"schedule": "amortized", "refresh_every": 10})
+    amortized = {"schedule": "amortized", "steps": 1}
+    module = _tiny_calm(tiny_loaded, inner_optimizer="adam", surrogate=amortized)
     trainer = _trainer(tmp_path, steps=2)
     trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
     path = tmp_path / "c.ckpt"
@@ -504,15 +539,28 @@ def test_amortized_surrogate_goes_into_the_checkpoint(tiny_loaded, tmp_path):
     checkpoint = torch.load(path, weights_only=False)
     names, _ = module._theta()
     saved = checkpoint["calm_surrogate"]
-    assert list(saved["tensors"]) == names and saved["step"] == 0
-    fresh = _tiny_calm(tiny_loaded, surrogate={"schedule": "amortized", "refresh_every": 10})
+    assert list(saved["tensors"]) == names and saved["inner"]["count"] >= 1
+    assert len(checkpoint["calm_history"]) == 2
+    fresh = _tiny_calm(tiny_loaded, inner_optimizer="adam", surrogate=amortized)
     fresh.on_load_checkpoint(checkpoint)
-    assert fresh.refreshes == 1 and fresh.surrogate_step == 0
-    assert all(torch.equal(a, b) for a, b in zip(fresh.surrogate, module.surrogate, strict=True))
+    kept, restored = module.persistent, fresh.persistent
+    assert all(torch.equal(a, b) for a, b in zip(restored.tensors, kept.tensors, strict=True))
+    assert restored.step.count == kept.step.count
+    assert all(torch.equal(a, b) for a, b in zip(restored.step.v, kept.step.v, strict=True))
+    assert fresh.history == module.history
+
+
+def test_a_run_plots_its_outer_step_curves(tiny_loaded, tmp_path):
+    module = _tiny_calm(tiny_loaded, surrogate={"schedule": "amortized", "steps": 1})
+    fitted = module.calibrate(_trainer(tmp_path, steps=3), _datamodule(tiny_loaded.tokenizer))
+    assert (tmp_path / "calm_steps.png").stat().st_size > 10_000
+    steps = fitted["calm_steps"]
+    assert steps["outer_steps"] == 3 and steps["q_first"] == module.history[0]["q"]
+    assert steps["lambda_mean"] == pytest.approx(sum(h["lambda"] for h in module.history) / 3)
 
 
 @pytest.mark.parametrize(
-    "surrogate", [{"schedule": "sometimes"}, {"schedule": "amortized", "refresh_every": 0},
+    "surrogate", [None, {"schedule": "sometimes"}, {"schedule": "amortized", "steps": 0},
                   {"schedule": "amortized", "every": 2}],
 )  # fmt: skip
 def test_bad_surrogate_settings_are_refused(tiny_loaded, surrogate):

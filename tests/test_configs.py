@@ -204,3 +204,27 @@ def test_daca_repo_keeps_dacas_own_fit_settings(tmp_path, compose):
     assert (paper.module.lr, paper.module.epochs, paper.module.batch_size) == (0.05, 300, 128)
     differ = {k for k in paper.module if paper.module[k] != repo.module[k]}
     assert differ == {"lr", "epochs", "batch_size"}
+
+
+def test_calm_schedule_and_inner_step_have_one_default(tmp_path, compose):
+    """The surrogate schedule and the inner optimizer are set in conf/method/calm.yaml only:
+    the class has no default of its own, and every paper sweep and paper setting composes to
+    the YAML's value."""
+    import inspect
+
+    from calm_lightning.methods.calm import CALM
+
+    signature = inspect.signature(CALM.__init__)  # None: refused (test_calm), never defaulted
+    assert signature.parameters["surrogate"].default is None
+    assert signature.parameters["inner_optimizer"].default is None
+    calm_yaml = OmegaConf.load(CONF / "method" / "calm.yaml").module
+    paper = [f"+sweep={s}" for s in options("sweep") if s.startswith("calm")]
+    for extra in [*paper, "setting=ood", "setting=id", "setting=gen_ood"]:
+        cfg = compose(["method=calm", extra], tmp_path, hydra=extra.startswith("+"))
+        module = cfg.method.module
+        if extra.startswith("+"):  # nor does any sweep grid vary them
+            grid = " ".join(cfg.hydra.sweeper.params)
+            assert "surrogate" not in grid and "inner_" not in grid, extra
+        assert module.surrogate.schedule == calm_yaml.surrogate.schedule, extra
+        assert module.inner_optimizer == calm_yaml.inner_optimizer, extra
+        assert module.inner_lr == calm_yaml.inner_lr, extra

@@ -212,14 +212,14 @@ def _predictions(run: Path) -> list[dict]:
     [
         # letter-scored MCQA (demo_id), as in docs/scaling.md; CALM's hand-made gradients
         ("calm", ["trainer.max_steps=4", "method.module.surrogate.schedule=per_step"]),
-        # the amortized surrogate: its refresh reads T - 1 more batches from its own loader
+        # the persistent amortized surrogate: its measure-or-resync decision must agree
+        # across ranks (global means), and its Adam moments live on every rank
         (
             "calm",
             [
                 "trainer.max_steps=4",
-                "method.module.inner_steps=3",
                 "method.module.surrogate.schedule=amortized",
-                "method.module.surrogate.refresh_every=2",
+                "method.module.surrogate.steps=2",
             ],
         ),
         # instruction data (demo): token counts differ between the ranks' batches
@@ -268,7 +268,7 @@ def test_daca_under_ddp_fits_the_single_process_temperature_and_writes_one_cache
     # DACA's pass runs the PoLM and the PLM's logit lens on every process; one writes the cache
     common = [
         *TINY,
-        "model.tiny.logit_scale=4.0",
+        "model.logit_scale=4.0",
         "reference_model=tiny_plm",
         "method=daca",
         "setting=demo_posthoc",

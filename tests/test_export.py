@@ -265,7 +265,7 @@ def test_temperature_only_export_divides_the_base_logits_by_t(tmp_path, compose)
     run_dir = tmp_path / "ts_run"
     overrides = [
         "model=tiny",
-        "model.tiny.logit_scale=3.0",  # an overconfident model: T clearly away from 1
+        "model.logit_scale=3.0",  # an overconfident model: T clearly away from 1
         "method=ts",
         "setting=demo_posthoc",
         "setting.test.source.limit=40",

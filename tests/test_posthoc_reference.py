@@ -27,7 +27,7 @@ HUB = Path(__file__).parent / "fixtures" / "hub"
 def _pair(method: str, tmp_path: Path, extra=()) -> list[str]:
     return [
         "model=tiny",
-        f"model.tiny.logit_scale={K}",
+        f"model.logit_scale={K}",
         "reference_model=tiny_plm",
         f"method={method}",
         "setting=demo_posthoc",
@@ -334,7 +334,7 @@ def test_posthoc_sweep_and_report_give_mean_and_std_over_seeds(tmp_path):
         "method=base,daca",  # the command line narrows the sweep file's grid
         "seed=0,1",
         "model=tiny",
-        f"model.tiny.logit_scale={K}",
+        f"model.logit_scale={K}",
         "reference_model=tiny_plm",
         "setting=demo_posthoc",
         "setting.test.source.limit=20",

@@ -214,7 +214,7 @@ def test_logit_lens_final_layer_equals_the_models_own_logits(tiny_loaded):
 def test_tiny_logit_scale_is_an_exact_temperature(tiny_loaded, compose):
     from calm_lightning.data.collate import pad_left
 
-    scaled = _tiny(compose, ["model.tiny.logit_scale=3.0"]).model
+    scaled = _tiny(compose, ["model.logit_scale=3.0"]).model
     tokenizer = tiny_loaded.tokenizer
     ids, mask = pad_left([tokenizer("a question")["input_ids"]], tokenizer.pad_token_id)
     options = torch.tensor([1, 2, 3, 4])

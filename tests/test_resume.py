@@ -27,13 +27,12 @@ def _probs(run_dir) -> np.ndarray:
     return np.array([json.loads(r)["probs"] for r in rows])
 
 
-# Amortized surrogate fitted once (at the first outer step, over 2 distinct batches) and used
-# through both epochs: the resumed run must take it from the checkpoint.
+# The persistent amortized surrogate and its Adam moments carry across the kill: the resumed
+# run must take both from the checkpoint.
 AMORTIZED = [
-    "method.module.inner_steps=2",
     "method.module.surrogate.schedule=amortized",
-    "method.module.surrogate.refresh_every=100",
-    "method.module.inner_lr=5.0",  # a surrogate far from theta, so which one is used shows
+    "method.module.surrogate.steps=2",
+    "method.module.inner_lr=0.5",  # a surrogate far from theta, so which one is used shows
 ]
 
 

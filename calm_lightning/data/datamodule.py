@@ -183,12 +183,6 @@ class CalibrationDataModule(L.LightningDataModule):
         """Every held-out example once, in file order (post-hoc fitting)."""
         return self._instruction_loader("heldout", self.eval_batch_size, offset=1, shuffle=False)
 
-    def surrogate_dataloader(self) -> DataLoader:
-        """Training batches in a shuffle of their own (seed offset 2; `sampler.set_epoch`
-        picks the permutation), for CALM's amortized surrogate refreshes. Its own collator
-        keeps the epoch's truncation counts to the epoch's batches."""
-        return self._instruction_loader("train", self.batch_size, offset=2, fresh=True)
-
     def heldout_dataloader(self) -> DataLoader:
         """Unlabeled-use inputs for the upper level (labels are collated but never needed)."""
         return self._instruction_loader("heldout", self.heldout_batch_size, offset=1)

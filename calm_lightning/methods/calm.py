@@ -5,8 +5,10 @@ Lower level  g(alpha, theta) = cross-entropy of the adjusted model on a training
 Upper level  f(alpha, theta) = - mean entropy of the adjusted model on a held-out batch.
 
 One outer step (docs/calm.md):
- 1. surrogate theta~ <- copy of theta (adapter tensors only), T plain gradient steps on g
-    with the lower LR, evaluated through `functional_call` (the live parameters never move);
+ 1. surrogate theta~ (adapter tensors only, evaluated through `functional_call`: the live
+    parameters never move). `per_step` (Algorithm 1): T inner steps from the live theta on this
+    batch. `amortized`: one persistent theta~ that keeps descending g(alpha_k, .) by m inner
+    steps per outer step, re-synchronised to theta when it falls behind (q < 0);
  2. residual q = g(alpha, theta) - g(alpha, stopgrad theta~):
     grad_theta q = grad_theta g(alpha, theta),
     grad_alpha q = grad_alpha g(alpha, theta) - grad_alpha g(alpha, theta~);
@@ -14,16 +16,19 @@ One outer step (docs/calm.md):
  4. d = grad f + lambda grad q (see `bome.py`), written into .grad; AdamW steps theta at the
     lower LR and alpha at the upper LR; every trainable tensor is clamped to [-c, c].
 
-Cost: the first inner step shares its pass with grad g(alpha, theta) (same batch, alpha not
-detached), and grad_alpha g(alpha, theta~) needs a no-grad LM forward plus a backward through
-the head alone: T full passes + 1 forward + 1 entropy pass, instead of the literal T + 3.
+Cost (per_step): the first inner step shares its pass with grad g(alpha, theta) (same batch,
+alpha not detached), and grad_alpha g(alpha, theta~) needs a no-grad LM forward plus a backward
+through the head alone: T full passes + 1 forward + 1 entropy pass, instead of the literal
+T + 3. Amortized (m = 1): pass 1, one pass at the stored theta~ (its residual, its alpha
+gradient and its next inner step at once) and the entropy pass: about 3 passes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -74,9 +79,10 @@ def _sub(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class InnerStep:
-    """The surrogate's update rule: `sgd` (t <- t - rho g) or `adam` (Adam moments started
-    afresh at every surrogate fit, bias-corrected, no weight decay: each element moves by about
-    rho per step, the scale the outer AdamW moves theta by)."""
+    """The surrogate's update rule: `sgd` (t <- t - rho g) or `adam` (bias-corrected Adam, no
+    weight decay: each element moves by about rho per step, the scale the outer AdamW moves
+    theta by). per_step starts its moments afresh at every outer step; the amortized schedule
+    keeps them with its persistent surrogate (reset on re-synchronisation)."""
 
     def __init__(self, kind: str, lr: float, betas=(0.9, 0.95), eps: float = 1e-8) -> None:
         if kind not in INNER_OPTIMIZERS:
@@ -84,6 +90,15 @@ class InnerStep:
             raise ConfigError(f"inner_optimizer={kind!r} is not one of {choices}")
         self.kind, self.lr, self.betas, self.eps = kind, float(lr), tuple(betas), eps
         self.count, self.m, self.v = 0, None, None
+
+    def reset(self) -> None:
+        self.count, self.m, self.v = 0, None, None
+
+    def state(self) -> dict:
+        return {"count": self.count, "m": self.m, "v": self.v}
+
+    def load_state(self, state: dict) -> None:
+        self.count, self.m, self.v = int(state["count"]), state["m"], state["v"]
 
     @torch.no_grad()
     def __call__(self, tensors, gradients) -> list[torch.Tensor]:
@@ -120,11 +135,11 @@ def bilevel_gradients(
     inner_lr: float,
     *,
     inner_losses: Sequence[LowerLoss] | None = None,
-    start: Sequence[torch.Tensor] | None = None,
     inner_optimizer: str = "sgd",
     betas=(0.9, 0.95),
     keep_surrogate: bool = False,
     mean: GlobalMean | None = None,
+    persistent: PersistentSurrogate | None = None,
 ) -> BilevelGradients:
     """The gradients of one CALM outer step, independent of what the model is.
 
@@ -133,11 +148,12 @@ def bilevel_gradients(
     (`track=False`: the surrogate part needs no graph, only the alpha part does).
     `upper_loss()` is f(alpha, theta).
 
-    The surrogate theta~ starts at `start` (None: theta) and takes one inner step on each of
-    `inner_losses` (None: `inner_steps` steps on `lower_loss`, the per-step schedule; an empty
-    list: theta~ = `start` as given, the amortized schedule between refreshes). A first step
-    from theta on `lower_loss` itself reuses pass 1's gradient. The residual is always
-    measured on the current batch: q = g(alpha, theta) - g(alpha, stopgrad theta~).
+    Without `persistent` (the per_step schedule, Algorithm 1) theta~ starts at theta and takes
+    one inner step on each of `inner_losses` (None: `inner_steps` steps on `lower_loss`); a
+    first step on `lower_loss` itself reuses pass 1's gradient. With `persistent` (the
+    amortized schedule) theta~ is that object's stored state, see `PersistentSurrogate`; it
+    takes `inner_steps` steps on `lower_loss` per call. The residual is always measured on the
+    current batch: q = g(alpha, theta) - g(alpha, stopgrad theta~).
 
     Under data parallelism (`mean`, a `GlobalMean`) every loss value and gradient is the
     global batch's before it is used, each rank weighted by the items its loss averages over
@@ -150,11 +166,11 @@ def bilevel_gradients(
             raise ConfigError(f"inner_steps must be >= 1, got {inner_steps}")
         inner_losses = [lower_loss] * inner_steps
     inner_losses = list(inner_losses)
-    if start is None and not inner_losses:
-        raise ConfigError("a surrogate needs inner steps or a stored starting point")
+    if not inner_losses:
+        raise ConfigError("a surrogate needs at least one inner step")
     theta, alpha = list(theta), list(alpha)
     n_theta = len(theta)
-    step = InnerStep(inner_optimizer, inner_lr, betas)
+    step = InnerStep(inner_optimizer, inner_lr, betas) if persistent is None else persistent.step
     # Pass 1 at theta, alpha live: grad_theta g is grad_theta q (and the first inner step's
     # gradient when that step is on this batch from theta); grad_alpha g(alpha, theta) is the
     # residual's first alpha term.
@@ -164,27 +180,106 @@ def bilevel_gradients(
     g, grads = mean.both(g, grads, _count(lower_loss))
     g_theta, g_alpha = list(grads[:n_theta]), list(grads[n_theta:])
 
-    surrogate = [t.detach() for t in (theta if start is None else start)]
-    for index, loss_fn in enumerate(inner_losses):
-        if index == 0 and start is None and loss_fn is lower_loss:
-            step_grads = g_theta  # the shared pass
-        else:
-            for tensor in surrogate:
-                tensor.requires_grad_(True)
-            loss = loss_fn(surrogate, True)
-            step_grads = torch.autograd.grad(loss, surrogate, allow_unused=True)
-            step_grads = mean.gradients(step_grads, _count(loss_fn))
-        surrogate = step(surrogate, step_grads)
-    g_surrogate = lower_loss(surrogate, False)
-    g_alpha_surrogate = torch.autograd.grad(g_surrogate, alpha, allow_unused=True) if alpha else ()
-    g_surrogate, g_alpha_surrogate = mean.both(g_surrogate, g_alpha_surrogate, _count(lower_loss))
+    measured = None
+    if persistent is not None and persistent.tensors is not None:
+        # One pass at the stored theta~ gives the residual, its alpha part and the gradient of
+        # theta~'s next inner step at once (theta~ is measured before it steps on this batch).
+        stored = [t.detach().requires_grad_(True) for t in persistent.tensors]
+        g_stored = lower_loss(stored, True)
+        both = torch.autograd.grad(g_stored, stored + alpha, allow_unused=True)
+        g_stored, both = mean.both(g_stored, both, _count(lower_loss))
+        if float(g - g_stored) >= 0:  # theta~ is ahead of theta: it stands for L*(alpha)
+            measured = (g_stored, list(both[n_theta:]))
+            surrogate = step(stored, list(both[:n_theta]))
+            for _ in range(len(inner_losses) - 1):
+                surrogate = _inner_step(step, surrogate, lower_loss, mean)
+        else:  # fallen behind the live theta: re-synchronise (fresh inner moments)
+            persistent.resyncs += 1
+            persistent.resynced = True
+        del stored, g_stored, both
+    if measured is None:
+        if persistent is not None:
+            persistent.step.reset()
+        surrogate = [t.detach() for t in theta]
+        for index, loss_fn in enumerate(inner_losses):
+            if index == 0 and loss_fn is lower_loss:
+                step_grads = g_theta  # the shared pass
+                surrogate = step(surrogate, step_grads)
+            else:
+                surrogate = _inner_step(step, surrogate, loss_fn, mean)
+        g_surrogate = lower_loss(surrogate, False)
+        g_alpha_surrogate = (
+            torch.autograd.grad(g_surrogate, alpha, allow_unused=True) if alpha else ()
+        )
+        g_surrogate, g_alpha_surrogate = mean.both(
+            g_surrogate, g_alpha_surrogate, _count(lower_loss)
+        )
+    else:
+        g_surrogate, g_alpha_surrogate = measured
     grad_q = g_theta + [_sub(a, b) for a, b in zip(g_alpha, g_alpha_surrogate, strict=True)]
+    if persistent is not None:
+        persistent.tensors = [t.detach() for t in surrogate]
     kept = [t.detach() for t in surrogate] if keep_surrogate else None
     del surrogate, g_alpha, g_alpha_surrogate, step  # free before the entropy pass, the last peak
     f = upper_loss()
     grad_f = torch.autograd.grad(f, theta + alpha, allow_unused=True)
     f, grad_f = mean.both(f, grad_f, _count(upper_loss))
     return BilevelGradients(grad_f, grad_q, g.detach(), g_surrogate.detach(), f.detach(), kept)
+
+
+def _inner_step(step: InnerStep, surrogate, loss_fn, mean: GlobalMean) -> list[torch.Tensor]:
+    """One inner step of theta~ on `loss_fn` (a pass with a graph over theta~ only)."""
+    for tensor in surrogate:
+        tensor.requires_grad_(True)
+    loss = loss_fn(surrogate, True)
+    gradients = torch.autograd.grad(loss, surrogate, allow_unused=True)
+    return step(surrogate, mean.gradients(gradients, _count(loss_fn)))
+
+
+class PersistentSurrogate:
+    """The amortized schedule's theta~: kept across outer steps, never frozen.
+
+    Each outer step measures q = g(alpha_k, theta_k) - g(alpha_k, theta~) on the current batch
+    with the stored theta~ and then moves theta~ by `inner_steps` steps of the inner optimizer
+    on that batch, its moments kept from step to step: theta~ keeps descending L_tr(., alpha_k)
+    as alpha moves, so q keeps estimating L_tr(theta_k; alpha_k) - L*(alpha_k) (docs/calm.md,
+    "Surrogate schedules") at about one extra pass per outer step. When theta~ has fallen
+    behind (q < 0: the live theta already does better on this batch), it is re-synchronised:
+    theta~ <- theta plus `inner_steps` fresh inner steps (the first reusing pass 1), and q is
+    measured with that.
+    """
+
+    def __init__(self, step: InnerStep) -> None:
+        self.step = step
+        self.tensors: list[torch.Tensor] | None = None
+        self.resyncs = 0  # re-synchronisations so far (the first fit counts as none)
+        self.resynced = False  # whether the last outer step re-synchronised
+
+    def state(self, names: Sequence[str]) -> dict:
+        """Checkpoint state (tensors on the CPU, keyed by adapter names)."""
+        inner = self.step.state()
+        cpu = lambda ts: None if ts is None else [t.detach().cpu() for t in ts]  # noqa: E731
+        return {
+            "tensors": None
+            if self.tensors is None
+            else dict(zip(names, cpu(self.tensors), strict=True)),
+            "inner": {"count": inner["count"], "m": cpu(inner["m"]), "v": cpu(inner["v"])},
+            "resyncs": self.resyncs,
+        }
+
+    def load_state(self, state: dict, theta: Sequence[torch.Tensor], names: Sequence[str]):
+        place = lambda ts: (  # noqa: E731
+            None
+            if ts is None
+            else [t.to(p.device, p.dtype) for t, p in zip(ts, theta, strict=True)]
+        )
+        tensors = state.get("tensors")
+        self.tensors = None if tensors is None else place([tensors[n] for n in names])
+        inner = state["inner"]
+        self.step.load_state(
+            {"count": inner["count"], "m": place(inner["m"]), "v": place(inner["v"])}
+        )
+        self.resyncs = int(state.get("resyncs", 0))
 
 
 def _count(loss_fn) -> int:
@@ -230,13 +325,17 @@ class CALM(TrainingMethod):
         clamp: float = 10.0,
         upper_objective: str = "auto",
         inner_lr: float | None = None,
-        inner_optimizer: str = "sgd",
+        inner_optimizer: str | None = None,
         surrogate: dict | None = None,
+        residual_dropout: bool = False,
         **kwargs,
     ) -> None:
-        """`surrogate`: {schedule: per_step | amortized, refresh_every: None (once per epoch)
-        or a number of outer steps}. `kwargs`: warmup_ratio, min_lr_ratio, betas, weight_decay
-        (TrainingMethod) and the shared evaluation options."""
+        """`surrogate`: {schedule: per_step | amortized, steps: m inner steps per outer step
+        (amortized)}. The schedule and the inner optimizer have no default here: their one
+        default is `conf/method/calm.yaml`'s. `residual_dropout`: whether the lower-level
+        passes that form q run with the adapters' dropout (off: q is not dropout noise).
+        `kwargs`: warmup_ratio, min_lr_ratio, betas, weight_decay (TrainingMethod) and the
+        shared evaluation options."""
         super().__init__(model, tokenizer, **kwargs)
         if upper_objective not in UPPER_OBJECTIVES:
             raise ConfigError(
@@ -249,22 +348,23 @@ class CALM(TrainingMethod):
         if inner_optimizer not in INNER_OPTIMIZERS:
             raise ConfigError(
                 f"method.module.inner_optimizer={inner_optimizer!r} is not one of "
-                f"{', '.join(INNER_OPTIMIZERS)}"
+                f"{', '.join(INNER_OPTIMIZERS)} (conf/method/calm.yaml sets the default)"
             )
         surrogate = dict(surrogate or {})
-        unknown = set(surrogate) - {"schedule", "refresh_every"}
+        unknown = set(surrogate) - {"schedule", "steps"}
         if unknown:
-            raise ConfigError(f"method.module.surrogate takes no {sorted(unknown)}")
-        self.schedule = surrogate.get("schedule", "per_step")
+            raise ConfigError(
+                f"method.module.surrogate takes schedule and steps, not {sorted(unknown)}"
+            )
+        self.schedule = surrogate.get("schedule")
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"method.module.surrogate.schedule={self.schedule!r} is not one of "
-                f"{', '.join(SCHEDULES)}"
+                f"{', '.join(SCHEDULES)} (conf/method/calm.yaml sets the default)"
             )
-        refresh_every = surrogate.get("refresh_every")
-        if refresh_every is not None and int(refresh_every) < 1:
-            raise ConfigError("method.module.surrogate.refresh_every must be >= 1 or null")
-        self.refresh_every = None if refresh_every is None else int(refresh_every)
+        self.surrogate_steps = int(surrogate.get("steps", 1))
+        if self.surrogate_steps < 1:
+            raise ConfigError("method.module.surrogate.steps must be >= 1")
         self.automatic_optimization = False
         self.inner_steps = int(inner_steps)
         self.eta = float(eta)
@@ -275,16 +375,17 @@ class CALM(TrainingMethod):
         self.inner_optimizer = inner_optimizer
         self.clamp = float(clamp)
         self.upper_objective = upper_objective
+        self.residual_dropout = bool(residual_dropout)
         # Resolved from the data in on_fit_start; these defaults serve direct (test) use.
         self.lower_mode = "vocab"
-        # The amortized schedule's stored surrogate (adapter tensors, detached) and when it
-        # was fitted; all of it is training state and goes into checkpoints.
-        self.surrogate: list[torch.Tensor] | None = None
-        self.surrogate_step = 0  # outer step of the last refresh
-        self.surrogate_epoch = -1  # epoch of the last refresh
-        self.refreshes = 0  # surrogate fits so far (also seeds which batches the next one reads)
-        self._refreshed = False  # whether the last outer step fitted theta~ afresh
-        self._inner_drop = (0.0, 0.0)  # (absolute, relative) inner drop at the last fit
+        # The amortized schedule's persistent theta~ (training state: goes into checkpoints).
+        self.persistent = (
+            PersistentSurrogate(InnerStep(inner_optimizer, self.inner_lr, self.betas))
+            if self.schedule == "amortized"
+            else None
+        )
+        # One record per outer step (q, relative q, lambda, ...): the run's curves plot.
+        self.history: list[dict[str, float]] = []
 
     # ----- parameters and optimizers -----
     def _theta(self) -> tuple[list[str], list[torch.nn.Parameter]]:
@@ -326,7 +427,7 @@ class CALM(TrainingMethod):
 
         def lower(surrogate: list[torch.Tensor] | None, track: bool) -> torch.Tensor:
             params = dict(zip(names, surrogate, strict=True)) if surrogate is not None else None
-            with nullcontext() if track else torch.no_grad():
+            with nullcontext() if track else torch.no_grad(), self._residual_dropout():
                 raw = self.model.raw_logits(
                     batch["input_ids"], batch["attention_mask"], params=params
                 )
@@ -338,6 +439,22 @@ class CALM(TrainingMethod):
 
         return BatchLoss(lower, objective_count(batch, mode))
 
+    @contextmanager
+    def _residual_dropout(self):
+        """The lower-level passes (theta and theta~) without dropout unless
+        `residual_dropout`: q = g(theta) - g(theta~) then measures the inner steps, not two
+        different dropout masks."""
+        active = [] if self.residual_dropout else [
+            m for m in self.model.modules() if isinstance(m, torch.nn.Dropout) and m.training
+        ]  # fmt: skip
+        for module in active:
+            module.train(False)
+        try:
+            yield
+        finally:
+            for module in active:
+                module.train(True)
+
     def upper_loss_fn(self, batch: dict):
         """f(alpha, theta) = - mean entropy on a held-out batch (labels only locate responses)."""
 
@@ -346,44 +463,6 @@ class CALM(TrainingMethod):
             return -mean_entropy(logits)
 
         return BatchLoss(upper, objective_count(batch, self.upper_objective))
-
-    # ----- the surrogate schedule -----
-    def _epoch(self) -> int:
-        trainer = self._trainer
-        return int(trainer.current_epoch) if trainer is not None else 0
-
-    def refresh_due(self) -> bool:
-        """Amortized schedule: fit theta~ afresh at this outer step? (per_step: always.)"""
-        if self.schedule == "per_step" or self.surrogate is None:
-            return True
-        if self.refresh_every is None:
-            return self.surrogate_epoch != self._epoch()
-        return self.outer_step - self.surrogate_step >= self.refresh_every
-
-    def surrogate_batches(self, n: int) -> list[dict]:
-        """`n` training batches for a refresh beyond the current one, distinct from each
-        other, in an order of their own (`datamodule.surrogate_dataloader()`) that depends only
-        on the number of refreshes so far, so a resumed run reads the same ones."""
-        if n == 0:
-            return []
-        datamodule = getattr(self._trainer, "datamodule", None)
-        if datamodule is None or not hasattr(datamodule, "surrogate_dataloader"):
-            raise ConfigError(
-                "surrogate.schedule=amortized reads its inner batches from the data module's "
-                "surrogate_dataloader(); run CALM through Trainer.fit with a "
-                "CalibrationDataModule"
-            )
-        from lightning.pytorch.utilities import move_data_to_device
-
-        loader = datamodule.surrogate_dataloader()
-        batches: list[dict] = []
-        for sweep in range(n + 1):  # more sweeps only when the split holds fewer than n batches
-            loader.batch_sampler.set_epoch(self.refreshes * 10_007 + sweep)
-            for batch in loader:
-                batches.append(move_data_to_device(batch, self.device))
-                if len(batches) == n:
-                    return batches
-        raise ConfigError("the training split yields no batches for the surrogate")
 
     # ----- the outer step -----
     def bilevel_update(self, train: dict, heldout: dict, opt_theta, opt_alpha, schedulers=()):
@@ -395,17 +474,9 @@ class CALM(TrainingMethod):
         names, theta = self._theta()
         alpha = self._alpha()
         lower = self.lower_loss_fn(train, names)
-        refresh = self.refresh_due()
-        if self.schedule == "per_step":
-            surrogate = {"inner_losses": None}
-        elif refresh:
-            # T distinct batches from theta: this step's batch (sharing pass 1) and T - 1 more.
-            extra = self.surrogate_batches(self.inner_steps - 1)
-            inner = [lower] + [self.lower_loss_fn(b, names) for b in extra]
-            surrogate = {"inner_losses": inner, "keep_surrogate": True}
-        else:
-            stored = [s.to(p.device, p.dtype) for s, p in zip(self.surrogate, theta, strict=True)]
-            surrogate = {"inner_losses": [], "start": stored}
+        steps = self.inner_steps if self.persistent is None else self.surrogate_steps
+        if self.persistent is not None:
+            self.persistent.resynced = False
         # Several separate gradients of different objectives (some w.r.t. surrogate tensors
         # that are not parameters) are needed, so torch.autograd.grad replaces
         # manual_backward here; the combined direction is then written into .grad.
@@ -414,12 +485,12 @@ class CALM(TrainingMethod):
             alpha,
             lower,
             self.upper_loss_fn(heldout),
-            self.inner_steps,
+            steps,
             self.inner_lr,
             inner_optimizer=self.inner_optimizer,
             betas=self.betas,
             mean=GlobalMean(self.device),
-            **surrogate,
+            persistent=self.persistent,
         )
         bad = first_non_finite(
             lower_loss=grads.g,
@@ -445,43 +516,23 @@ class CALM(TrainingMethod):
         for scheduler in schedulers:
             scheduler.step()
         clamp_(theta + alpha, self.clamp)
-        self._refreshed = refresh
-        if refresh:
-            if grads.surrogate is not None:  # amortized: kept until the next refresh
-                self.surrogate = grads.surrogate
-            self.surrogate_step, self.surrogate_epoch = self.outer_step, self._epoch()
-            self.refreshes += 1
         self.outer_step += 1
         return grads, step
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
-        if self.surrogate is not None:
+        if self.persistent is not None:
             names, _ = self._theta()
-            checkpoint["calm_surrogate"] = {
-                "tensors": dict(
-                    zip(names, (t.detach().cpu() for t in self.surrogate), strict=True)
-                ),
-                "step": self.surrogate_step,
-                "epoch": self.surrogate_epoch,
-                "inner_drop": self._inner_drop,
-            }
-        checkpoint["calm_refreshes"] = self.refreshes
+            checkpoint["calm_surrogate"] = self.persistent.state(names)
+        checkpoint["calm_history"] = list(self.history)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
-        self.refreshes = int(checkpoint.get("calm_refreshes", 0))
+        self.history = list(checkpoint.get("calm_history", []))
         stored = checkpoint.get("calm_surrogate")
-        if stored is None:
-            self.surrogate = None
-            return
-        names, theta = self._theta()
-        tensors = stored["tensors"]
-        self.surrogate = [
-            tensors[n].to(p.device, p.dtype) for n, p in zip(names, theta, strict=True)
-        ]
-        self.surrogate_step, self.surrogate_epoch = int(stored["step"]), int(stored["epoch"])
-        self._inner_drop = tuple(stored.get("inner_drop", (0.0, 0.0)))
+        if self.persistent is not None and stored is not None:
+            names, theta = self._theta()
+            self.persistent.load_state(stored, theta, names)
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
         train, heldout = (batch["train"], batch["heldout"]) if "heldout" in batch else (batch,) * 2
@@ -493,9 +544,13 @@ class CALM(TrainingMethod):
 
     def _log_step(self, grads: BilevelGradients, step, opt_theta, opt_alpha) -> None:
         head = self.model.head.summary()
+        g, q = grads.g.item(), grads.q.item()
         values = {
-            "calm/g": grads.g.item(),
-            "calm/q": grads.q.item(),
+            "calm/g": g,
+            # per_step: q is the drop of this step's T inner steps; amortized: how far the
+            # persistent theta~ is ahead of theta on this batch.
+            "calm/q": q,
+            "calm/q_rel": q / max(abs(g), 1e-12),
             "calm/entropy": -grads.f.item(),
             "calm/lambda": step.lam,
             "calm/grad_f_norm": step.grad_f_norm,
@@ -503,21 +558,43 @@ class CALM(TrainingMethod):
             "calm/lr_lower": opt_theta.param_groups[0]["lr"],
             "calm/lr_upper": opt_alpha.param_groups[0]["lr"],
             "calm/outer_step": float(self.outer_step),
-            "calm/refreshes": float(self.refreshes),
             **{f"calm/{k}": v for k, v in head.items()},
         }
-        if self._refreshed:
-            # g(theta) - g(theta~) on this batch right after theta~ was fitted: how far the
-            # inner steps moved the lower loss (per_step: every step, where it equals q).
-            self._inner_drop = (grads.q.item(), grads.q.item() / max(abs(grads.g.item()), 1e-12))
-        # Between refreshes: the drop the stored theta~ had when it was fitted.
-        values["calm/inner_drop"], values["calm/inner_drop_rel"] = self._inner_drop
-        values["calm/surrogate_age"] = float(self.outer_step - 1 - self.surrogate_step)
+        if self.persistent is not None:
+            values["calm/resyncs"] = float(self.persistent.resyncs)
+        self.history.append({k.removeprefix("calm/"): v for k, v in values.items()})
         self.log_dict(values, on_step=True, on_epoch=False)
         self.log_dict(
-            {"entropy": values["calm/entropy"], "g": values["calm/g"], "lam": step.lam},
+            {"entropy": values["calm/entropy"], "g": g, "q": q, "lam": step.lam},
             on_step=True,
             on_epoch=False,
             prog_bar=True,
             logger=False,
         )
+
+    def calibrate(self, trainer, datamodule, ckpt_path: str | None = None) -> dict:
+        """Train, then plot the outer-step curves and keep their summary for metrics.json."""
+        fitted = super().calibrate(trainer, datamodule, ckpt_path)
+        if not self.history:
+            return fitted
+        if trainer.is_global_zero:
+            from calm_lightning.metrics.curves import plot_calm_curves
+
+            plot_calm_curves(self.history, Path(trainer.default_root_dir) / CURVES_FILE)
+        return {**fitted, "calm_steps": summarize_history(self.history)}
+
+
+CURVES_FILE = "calm_steps.png"
+
+
+def summarize_history(history: Sequence[dict[str, float]]) -> dict[str, float]:
+    """What the outer steps did, in a few numbers (first / mean / last of the key series)."""
+    out: dict[str, float] = {"outer_steps": float(len(history))}
+    for key in ("g", "q", "q_rel", "entropy", "lambda", "d_mean", "d_std"):
+        values = [h[key] for h in history if key in h]
+        if values:
+            out[f"{key}_first"], out[f"{key}_last"] = values[0], values[-1]
+            out[f"{key}_mean"] = sum(values) / len(values)
+    if "resyncs" in history[-1]:
+        out["resyncs"] = history[-1]["resyncs"]
+    return out

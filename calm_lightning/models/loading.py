@@ -89,7 +89,9 @@ def load_language_model(model_cfg: DictConfig | dict) -> LoadedModel:
     if source not in SOURCES:
         raise ConfigError(f"model.source={source!r} is not one of {', '.join(SOURCES)}")
     if source == "tiny":
-        return _build_tiny(cfg)
+        loaded = _build_tiny(cfg)
+        apply_logit_scale(loaded.model, cfg.get("logit_scale", 1.0))
+        return loaded
     dtype = resolve_dtype(cfg.get("dtype", "auto"))
     quantize = resolve_quantization(cfg.get("quantization", "auto"))
     if cfg.get("local_path"):
@@ -105,7 +107,37 @@ def load_language_model(model_cfg: DictConfig | dict) -> LoadedModel:
         _check_hub_model_available(cfg["model_id"], cfg.get("revision"))
     tokenizer = _load_tokenizer(location, cfg, local_only)
     model = _load_weights(location, cfg, dtype, quantize, local_only)
+    apply_logit_scale(model, cfg.get("logit_scale", 1.0))
     return LoadedModel(model, tokenizer, cfg.get("name", source), quantize, dtype)
+
+
+def apply_logit_scale(model: torch.nn.Module, scale: float) -> None:
+    """Multiply every output logit (and every logit-lens readout) by `scale`, in the weights.
+
+    `model.logit_scale=k` makes a model k times over-confident: its exact temperature relative
+    to the unscaled weights is k. The final norm's weight is scaled (the unembedding may be tied
+    to the input embedding, so it cannot be scaled alone); because the change is in the weights,
+    training, scoring, sampling and export all see the same scaled model. Gemma's norm computes
+    x * (1 + w), so there w <- k (1 + w) - 1.
+    """
+    scale = float(scale)
+    if scale == 1.0:
+        return
+    if not scale > 0:
+        raise ConfigError(f"model.logit_scale must be > 0, got {scale}")
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    norm = getattr(getattr(decoder, "language_model", decoder), "norm", None)
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ConfigError(
+            f"model.logit_scale={scale} needs a final norm with a weight before the output "
+            f"layer; {type(model).__name__} has none: leave model.logit_scale at 1.0"
+        )
+    with torch.no_grad():
+        if "gemma" in type(norm).__name__.lower():
+            weight.copy_((1.0 + weight.float()) * scale - 1.0)
+        else:
+            weight.mul_(scale)
 
 
 def _hub_offline() -> bool:
@@ -237,9 +269,5 @@ def _build_tiny(cfg: dict) -> LoadedModel:
     # confident enough that calibration metrics and the head have something to act on.
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(float(tiny.get("embedding_scale", 1.0)))
-        # Scaling the final norm's weight multiplies every output logit (and every logit-lens
-        # readout) by k: a stand-in "post-trained" model whose exact temperature is 1 / k
-        # relative to the unscaled one (the unembedding is tied, so it cannot be scaled alone).
-        model.model.norm.weight.mul_(float(tiny.get("logit_scale", 1.0)))
     model.eval()
     return LoadedModel(model, tokenizer, cfg.get("name", "tiny"), False, torch.float32)
