@@ -2,9 +2,9 @@
 
 For each `<run dir>` (made by `python -m calm_lightning.run method=calm ... logger=csv`) prints
 accuracy, conf-ECE, NLL and mean confidence from metrics.json, and from csv/metrics.csv the
-held-out entropy, lambda, q, q / g, g and the head's mean d at the first and the last outer step, and
-the mean q. Run
-dirs named `<label>_s<seed>` are also grouped by label (mean +- std over seeds).
+held-out entropy, lambda, q, q / g, g and the head's mean d at the first and the last outer
+step, and the mean q. Run dirs named `<label>_s<seed>` are also grouped by label (mean +- std
+over seeds).
 
     python benchmarks/calm_runs.py outputs/quality/*_s*
 """
