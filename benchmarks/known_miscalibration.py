@@ -75,8 +75,13 @@ def run(overrides: dict, out: Path) -> dict:
     return json.loads(metrics.read_text())
 
 
+EXTRA: dict = {}  # --model / --extra: overrides added to every run (smoke runs on model=tiny)
+GRID_LIMIT: list[int | None] = [None]  # --grid-limit: the first N entries of each grid
+
+
 def common(k: float, setting: str, seed: int, split: str) -> dict:
     return {
+        **EXTRA,
         "model.logit_scale": k,
         "setting": setting,
         "seed": seed,
@@ -178,9 +183,10 @@ def select(k: float, setting: str, outputs: Path, path: Path) -> dict:
         save(path, records)
 
     grid_run("base", "base", {"method": "base"})
-    for i, overrides in enumerate(REG_GRID):
+    limit = GRID_LIMIT[0]
+    for i, overrides in enumerate(REG_GRID[:limit]):
         grid_run("reg", f"reg_{i}", {"method": "reg", **overrides})
-    for i, overrides in enumerate(CALM_GRID):
+    for i, overrides in enumerate(CALM_GRID[:limit]):
         calm = {"method": "calm", "method.module.inner_steps": T,
                 "method.module.surrogate.schedule": "amortized", **overrides}  # fmt: skip
         grid_run("calm", f"calm_{i}", calm)
@@ -238,7 +244,11 @@ def _tokenizer_and_test():
 
     from calm_lightning.models import embedded
 
-    tokenizer = AutoTokenizer.from_pretrained(str(embedded.ensure_converted(None)))
+    if EXTRA.get("model") == "tiny":
+        location = embedded.ensure_tokenizer(os.environ.get("CALM_LIGHTNING_CACHE"))
+    else:
+        location = embedded.ensure_converted(os.environ.get("CALM_LIGHTNING_CACHE"))
+    tokenizer = AutoTokenizer.from_pretrained(str(location))
     path = ROOT / "calm_lightning" / "data" / "demo" / "mcqa_test.jsonl"
     return tokenizer, [json.loads(line) for line in path.read_text().splitlines() if line]
 
@@ -352,7 +362,12 @@ def main() -> None:
     parser.add_argument("--table", default="results/known_miscalibration.md")
     parser.add_argument("--outputs", default="outputs/known_miscalibration")
     parser.add_argument("--render-only", action="store_true")
+    parser.add_argument("--model", default="smollm2", help="tiny: a smoke run in seconds")
+    parser.add_argument("--extra", nargs="*", default=[], help="overrides for every run")
+    parser.add_argument("--grid-limit", type=int, default=None, help="first N of each grid")
     args = parser.parse_args()
+    EXTRA.update({"model": args.model}, **dict(o.split("=", 1) for o in args.extra))
+    GRID_LIMIT[0] = args.grid_limit
     if args.render_only:
         render(ROOT / args.results, ROOT / args.table, ROOT / args.outputs)
         return

@@ -65,7 +65,9 @@ def test_daca_and_dual_align_recover_the_known_temperature(tmp_path, compose):
     # The second method reuses the lens pass of the first (same models, data, options).
     assert results["daca"]["posthoc"]["lens_cache"] == "miss"
     assert results["dual_align"]["posthoc"]["lens_cache"] == "hit"
-    assert 0 < results["dual_align"]["posthoc"]["mean_weight"] < 1
+    # With two layers l* is always layer 2 and w = max(d_2 - d_1, 0) / ln 2: the tiny pair's
+    # divergence can fall from layer 1 to 2 on every sample, making w = 0 (pure KL).
+    assert 0 <= results["dual_align"]["posthoc"]["mean_weight"] < 1
 
 
 def test_base_and_posthoc_methods_test_the_same_questions(tmp_path, compose):

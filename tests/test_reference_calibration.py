@@ -45,11 +45,11 @@ def test_peak_divergence_layer_by_hand():
     d = torch.tensor(
         [
             [0.10, 0.15, 0.60, 0.62],  # jumps 0.05, 0.45, 0.02 -> layer 3 (index 2)
-            [0.50, 0.10, 0.12, 0.13],  # jumps 0.40 (a fall counts too), 0.02, 0.01 -> index 1
+            [0.50, 0.10, 0.12, 0.13],  # changes -0.40 (a fall is no increase), 0.02, 0.01 -> 2
             [0.20, 0.30, 0.40, 0.50],  # equal jumps -> the earliest, index 1
         ]
     )
-    assert peak_divergence_layer(d).tolist() == [2, 1, 1]
+    assert peak_divergence_layer(d).tolist() == [2, 2, 1]
     # Starting the search at layer 3 (1-based) skips the first jump.
     assert peak_divergence_layer(d, min_layer=3).tolist() == [2, 2, 2]
 
@@ -83,10 +83,10 @@ def test_divergence_weight_by_hand():
     b = math.log(2)  # JSD((1, 0) || (0, 1)), the maximum
     plm = torch.tensor(
         [
-            [_U, _A, _A],  # d = [0, b, a]: jumps b, b - a -> l* = 2nd layer (index 1)
-            [_A, _A, _A],  # d = [a, b, a]: jumps b - a twice -> the earlier, index 1
-            [_A, _U, _U],  # d = [b, 0, 0]: a fall of b, then 0 -> index 1
-            [_U, _U, _A],  # d = [0, 0, b]: jumps 0, b -> index 2
+            [_U, _A, _A],  # d = [0, b, a]: changes b, a - b -> l* = 2nd layer (index 1)
+            [_A, _A, _A],  # d = [a, b, a]: changes b - a, a - b -> index 1
+            [_A, _U, _U],  # d = [b, 0, 0]: changes -b, 0 (never increases) -> index 2, w 0
+            [_U, _U, _A],  # d = [0, 0, b]: changes 0, b -> index 2
         ],
         dtype=torch.float64,
     )
@@ -97,10 +97,10 @@ def test_divergence_weight_by_hand():
     expected_d = [[0, b, a], [a, b, a], [b, 0, 0], [0, 0, b]]
     torch.testing.assert_close(d, torch.tensor(expected_d, dtype=torch.float64))
     peak = peak_divergence_layer(d)
-    assert peak.tolist() == [1, 1, 1, 2]
+    assert peak.tolist() == [1, 1, 2, 2]
     ln2 = math.log(2)
     expected = {
-        "peak_jump": [b / ln2, (b - a) / ln2, b / ln2, b / ln2],  # |d_l* - d_(l*-1)| / ln 2
+        "peak_jump": [b / ln2, (b - a) / ln2, 0.0, b / ln2],  # max(d_l* - d_(l*-1), 0) / ln 2
         "peak": [b / ln2, b / ln2, 0.0, b / ln2],  # d_l* / ln 2
         "final": [a / ln2, a / ln2, 0.0, b / ln2],  # d_L / ln 2
     }
@@ -137,10 +137,10 @@ def test_dual_align_loss_by_hand(weight):
         pg = [plm[i, j].softmax(-1).numpy() for j in range(3)]
         pf = [polm[i, j].softmax(-1).numpy() for j in range(3)]
         d = [jensenshannon(pg[j], pf[j]) ** 2 for j in range(3)]
-        peak = 1 if abs(d[1] - d[0]) >= abs(d[2] - d[1]) else 2
+        peak = 1 if d[1] - d[0] >= d[2] - d[1] else 2  # the larger signed increase
         assert targets.peak_layer[i].item() == peak
         w = {
-            "peak_jump": abs(d[peak] - d[peak - 1]),
+            "peak_jump": max(d[peak] - d[peak - 1], 0.0),
             "peak": d[peak],
             "final": d[2],
         }[weight] / math.log(2)

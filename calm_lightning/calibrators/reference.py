@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 PARAMETERISATIONS = ("log", "direct")
 ISE_TEMPERED = ("all", "final")
 # Dual-Align's per-sample mixing weight w, each a divergence in [0, ln 2] divided by ln 2:
-# peak_jump = |d_l* - d_(l*-1)| (the paper's Delta D_JS^l*, the default), peak = d_l*, final = d_L.
+# peak_jump = max(d_l* - d_(l*-1), 0) (the paper's Delta D_JS^l*, the default), peak = d_l*,
+# final = d_L.
 WEIGHTS = ("peak_jump", "peak", "final")
 _EPS = 1e-12
 
@@ -54,18 +55,23 @@ def layer_divergence(plm_logits: torch.Tensor, polm_logits: torch.Tensor) -> tor
 
 
 def peak_divergence_layer(divergence: torch.Tensor, min_layer: int = 2) -> torch.Tensor:
-    """l* = argmax_{l >= min_layer} |d_l - d_{l-1}| per sample, as a 0-based layer index.
+    """l* = argmax_{l >= min_layer} (d_l - d_{l-1}) per sample, as a 0-based layer index.
 
-    Layers are numbered from 1 in the formula, so `min_layer = 2` (the default) compares every
-    layer with the one before it. Ties go to the earliest layer. With one layer, l* = 0.
+    The signed increase, as the paper's "layer with the maximum JSD increase": a drop in
+    divergence (the two models re-converging) never outranks a rise. Layers are numbered from 1
+    in the formula, so `min_layer = 2` (the default) compares every layer with the one before
+    it. Ties go to the earliest layer. A sample whose divergence never increases still gets the
+    argmax, i.e. the layer of the smallest fall (or of a zero change), earliest on ties; its
+    `peak_jump` weight is then 0 (`divergence_weight`). With one layer, l* = 0.
     """
     n_layers = divergence.shape[-1]
     if n_layers < 2:
         return torch.zeros(divergence.shape[:-1], dtype=torch.long, device=divergence.device)
-    jumps = (divergence[..., 1:] - divergence[..., :-1]).abs()  # jumps[i] is layer i + 2 (1-based)
+    jumps = divergence[..., 1:] - divergence[..., :-1]  # jumps[i] is layer i + 2 (1-based)
     first = max(min_layer, 2) - 2
     if first >= jumps.shape[-1]:
         raise ValueError(f"min_layer={min_layer} leaves no layer out of {n_layers}")
+    # torch.argmax returns the first maximal index, so ties go to the earliest layer.
     return jumps[..., first:].argmax(-1) + first + 1
 
 
@@ -74,8 +80,9 @@ def divergence_weight(
 ) -> torch.Tensor:
     """Dual-Align's mixing weight w in [0, 1] from the per-layer JSD d (N, L) and l* (N,).
 
-    `peak_jump`: |d_l* - d_(l*-1)| / ln 2, the divergence jump that selected l* (the paper's
-    Delta D_JS^l*(x)); with l* = 0 (a single layer) the jump is taken from 0, i.e. d_0.
+    `peak_jump`: max(d_l* - d_(l*-1), 0) / ln 2, the signed divergence increase that selected
+    l* (the paper's Delta D_JS^l*(x)), 0 for a sample whose divergence never increases; with
+    l* = 0 (a single layer) the increase is taken from 0, i.e. d_0.
     `peak`: d_l* / ln 2. `final`: d_L / ln 2. Every d lies in [0, ln 2], so each quantity does
     too and dividing by ln 2 maps it onto [0, 1] with no data-dependent scale; the clamp only
     absorbs rounding.
@@ -89,7 +96,7 @@ def divergence_weight(
         value = divergence[rows, peak]
     else:
         before = torch.where(peak > 0, divergence[rows, (peak - 1).clamp_min(0)], 0.0)
-        value = (divergence[rows, peak] - before).abs()
+        value = (divergence[rows, peak] - before).clamp_min(0.0)
     return (value / math.log(2)).clamp(0.0, 1.0)
 
 

@@ -560,6 +560,12 @@ class CALM(TrainingMethod):
             "calm/outer_step": float(self.outer_step),
             **{f"calm/{k}": v for k, v in head.items()},
         }
+        # What moves the head's d: the sums over its entries of the entropy term's gradient
+        # and of the lambda-weighted residual term's (alpha = scale d, then bias l); a
+        # positive value pushes d down, i.e. flattens the distribution.
+        d_f, d_q = grads.grad_f[-2], grads.grad_q[-2]
+        values["calm/d_grad_entropy"] = 0.0 if d_f is None else float(d_f.sum())
+        values["calm/d_grad_residual"] = 0.0 if d_q is None else step.lam * float(d_q.sum())
         if self.persistent is not None:
             values["calm/resyncs"] = float(self.persistent.resyncs)
         self.history.append({k.removeprefix("calm/"): v for k, v in values.items()})
