@@ -54,7 +54,9 @@ CALM_GRID = [
         }
         for lr in (1e-2, 5e-2, 1e-1)
     ),  # fmt: skip
-    *({"method.head.kind": "scalar", "method.module.upper_lr": lr} for lr in (5e-2, 1e-1)),
+    # The scalar head's best held-out value sat at the grid's edge (1e-1), so the grid went on
+    # to 2e-1, where d crossed 0 (uniform outputs, accuracy 12 %): larger LRs were not run.
+    *({"method.head.kind": "scalar", "method.module.upper_lr": lr} for lr in (5e-2, 1e-1, 2e-1)),
 ]
 METHODS = ("base", "ts", "reg", "calm_per_step", "calm_amortized", "calm_frozen_head")
 
@@ -214,8 +216,14 @@ def study(args) -> None:
         k_text, setting = cell.split(":")
         k = float(k_text)
         chosen = select(k, setting, outputs, selection_path)
-        records = load(results_path)
-        done = {key(r) for r in records}
+        # A run counts as done only with the overrides the current selection gives; records
+        # made under an earlier choice are dropped from the results file.
+        records = [
+            r for r in load(results_path)
+            if (r["logit_scale"], r["setting"]) != (k, setting)
+            or r["overrides"] == method_overrides(_method_key(r), chosen)
+        ]  # fmt: skip
+        done = {(key(r), json.dumps(r["overrides"], sort_keys=True)) for r in records}
         for seed in args.seeds:
             for method in args.methods:
                 if method == "base" and seed != args.seeds[0]:
@@ -227,16 +235,24 @@ def study(args) -> None:
                 label = "frozen_head" if method == "calm_frozen_head" else None
                 meta = {"logit_scale": k, "setting": setting, "method": name,
                         "schedule": schedule, "seed": seed, "label": label}  # fmt: skip
-                if key(meta) in done:
+                meta["overrides"] = method_overrides(method, chosen)
+                if (key(meta), json.dumps(meta["overrides"], sort_keys=True)) in done:
                     continue
-                overrides = {**common(k, setting, seed, "test"), **method_overrides(method, chosen)}
-                run_dir = outputs / f"k{k:g}_{setting}" / f"{method}_s{seed}"
+                overrides = {**common(k, setting, seed, "test"), **meta["overrides"]}
+                tag = "_".join(f"{v}" for k_, v in meta["overrides"].items() if k_ != "method")
+                run_dir = outputs / f"k{k:g}_{setting}" / f"{method}_s{seed}_{tag}".rstrip("_")
                 payload = run(overrides, run_dir)
                 temperature = effective_temperature(run_dir, payload, tokenizer, test_records)
-                meta["overrides"] = method_overrides(method, chosen)
                 records.append(record_of(meta, payload, run_dir, temperature))
                 save(results_path, records)
     render(results_path, ROOT / args.table, outputs)
+
+
+def _method_key(record: dict) -> str:
+    """The METHODS entry a results record was made by."""
+    if record["method"] != "calm":
+        return record["method"]
+    return "calm_frozen_head" if record["label"] == "frozen_head" else f"calm_{record['schedule']}"
 
 
 def _tokenizer_and_test():

@@ -144,3 +144,29 @@ def test_tiny_model_is_deterministic_and_uses_the_embedded_vocab(tiny_loaded):
     ):
         assert torch.equal(a, b), name
     assert tiny_loaded.model.config.vocab_size == len(tiny_loaded.tokenizer) == 49152
+
+
+def test_logit_scale_multiplies_every_logit_of_a_saved_model(tmp_path, tiny_loaded):
+    """model.logit_scale=k on a model loaded from files (hub / local / embedded share this
+    path): every output logit is k times the unscaled model's, exactly a temperature 1 / k."""
+    tiny_loaded.model.save_pretrained(tmp_path / "m")
+    tiny_loaded.tokenizer.save_pretrained(tmp_path / "m")
+    plain = load_language_model(_hub_cfg(model_id="nobody/never", local_path=str(tmp_path / "m")))
+    scaled = load_language_model(
+        _hub_cfg(model_id="nobody/never", local_path=str(tmp_path / "m"), logit_scale=4.0)
+    )
+    ids = torch.tensor([[1, 5, 9, 200]])
+    with torch.no_grad():
+        base, hot = plain.model(input_ids=ids).logits, scaled.model(input_ids=ids).logits
+    torch.testing.assert_close(hot, 4.0 * base, rtol=1e-5, atol=1e-4)
+    assert base.abs().max() > 1.0  # a real scale, not zeros
+
+
+def test_logit_scale_refuses_a_model_without_a_final_norm_weight():
+    from calm_lightning.errors import ConfigError
+    from calm_lightning.models.loading import apply_logit_scale
+
+    with pytest.raises(ConfigError, match="logit_scale"):
+        apply_logit_scale(torch.nn.Linear(2, 2), 2.0)
+    with pytest.raises(ConfigError, match="> 0"):
+        apply_logit_scale(torch.nn.Linear(2, 2), -1.0)
