@@ -41,6 +41,9 @@ RECORDS = [
 ]
 TINY = ["model=tiny", "peft.r=4", "trainer.enable_progress_bar=false"]
 
+# CALM's schedule and inner optimizer have no class default (conf/method/calm.yaml has it).
+PER_STEP = {"inner_optimizer": "adam", "surrogate": {"schedule": "per_step"}}
+
 
 def _headed(tiny_loaded, seed=0):
     """The tiny LM with LoRA adapters and a non-identity vector head."""
@@ -134,7 +137,9 @@ def _cloze_datamodule(tokenizer, prompt="plain"):
 
 def test_calm_upper_level_is_the_entropy_of_the_cloze_option_distribution(tiny_loaded, tokenizer):
     model = _headed(tiny_loaded)
-    calm = CALM(model, tokenizer, inner_steps=1, scoring="cloze", cloze={"prompt": "plain"})
+    calm = CALM(
+        model, tokenizer, inner_steps=1, scoring="cloze", cloze={"prompt": "plain"}, **PER_STEP
+    )
     calm.upper_objective = "cloze"
     datamodule = _cloze_datamodule(tokenizer)
     batch = next(iter(datamodule.heldout_dataloader()))
@@ -172,7 +177,7 @@ def test_regularization_in_cloze_mode_is_answer_ce_minus_option_entropy(tiny_loa
     ],
 )
 def test_auto_modes_follow_the_scoring(tiny_loaded, tokenizer, mode, scoring, kind, expected):
-    calm = CALM(_headed(tiny_loaded), tokenizer, scoring=scoring)
+    calm = CALM(_headed(tiny_loaded), tokenizer, scoring=scoring, **PER_STEP)
     calm.data_kind = lambda split: kind
     assert calm.resolve_mode(mode, "train") == expected
     # The lower level trains on the answer text, never on the option distribution.

@@ -29,7 +29,10 @@ def test_nf4_qlora_calm_step_trains_adapters_and_head(tmp_path):
     assert loaded.quantized and loaded.dtype == torch.bfloat16
     lm = wrap_with_lora(loaded.model, {"r": 8, "lora_alpha": 16}, quantized=True)
     head = LogitAdjustment(lm.get_output_embeddings().weight.shape[0])
-    module = CALM(CalibratedLM(lm, head), loaded.tokenizer, inner_steps=2, upper_lr=1e-3)
+    module = CALM(
+        CalibratedLM(lm, head), loaded.tokenizer, inner_steps=2, upper_lr=1e-3,
+        inner_optimizer="adam", surrogate={"schedule": "per_step"},
+    )  # fmt: skip
     before = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
     datamodule = CalibrationDataModule(
         loaded.tokenizer,
