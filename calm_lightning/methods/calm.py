@@ -181,6 +181,8 @@ def bilevel_gradients(
     g_theta, g_alpha = list(grads[:n_theta]), list(grads[n_theta:])
 
     measured = None
+    if persistent is not None:
+        persistent.resynced = False
     if persistent is not None and persistent.tensors is not None:
         # One pass at the stored theta~ gives the residual, its alpha part and the gradient of
         # theta~'s next inner step at once (theta~ is measured before it steps on this batch).
@@ -475,8 +477,6 @@ class CALM(TrainingMethod):
         alpha = self._alpha()
         lower = self.lower_loss_fn(train, names)
         steps = self.inner_steps if self.persistent is None else self.surrogate_steps
-        if self.persistent is not None:
-            self.persistent.resynced = False
         # Several separate gradients of different objectives (some w.r.t. surrogate tensors
         # that are not parameters) are needed, so torch.autograd.grad replaces
         # manual_backward here; the combined direction is then written into .grad.
