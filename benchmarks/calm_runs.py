@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import re
 import statistics
 from pathlib import Path
+
+from calm_lightning.run_record import read_run
 
 TRAJECTORY = ["entropy", "lambda", "q", "q_rel", "g", "d_mean"]
 
 
 def summarise(run_dir: Path) -> dict:
-    metrics = json.loads((run_dir / "metrics.json").read_text())["metrics"]
+    metrics = read_run(run_dir).metrics
     with open(run_dir / "csv" / "metrics.csv") as handle:
         rows = [r for r in csv.DictReader(handle) if r.get("calm/outer_step")]
     rows.sort(key=lambda r: float(r["calm/outer_step"]))

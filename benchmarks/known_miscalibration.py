@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from calm_lightning.run_record import is_run_dir, read_run
+
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"demo": "OOD", "demo_id": "ID"}
 T = 20  # inner steps of the per_step estimator (paper: 20)
@@ -63,8 +65,7 @@ METHODS = ("base", "ts", "reg", "calm_per_step", "calm_amortized", "calm_frozen_
 
 def run(overrides: dict, out: Path) -> dict:
     """One `python -m calm_lightning.run` process; returns its metrics.json."""
-    metrics = out / "metrics.json"
-    if not metrics.is_file():
+    if not (is_run_dir(out) and read_run(out).finished):
         args = [f"{k}={v}" for k, v in overrides.items()]
         cmd = [sys.executable, "-m", "calm_lightning.run", *args, f"hydra.run.dir={out}"]
         print("+", " ".join(cmd[2:]), flush=True)
@@ -74,7 +75,7 @@ def run(overrides: dict, out: Path) -> dict:
         if done.returncode != 0:
             sys.exit(f"run failed ({out}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
         print(f"  done in {time.time() - start:.0f} s", flush=True)
-    return json.loads(metrics.read_text())
+    return read_run(out).summary
 
 
 EXTRA: dict = {}  # --model / --extra: overrides added to every run (smoke runs on model=tiny)
@@ -347,9 +348,9 @@ def _figure(records: list[dict], path: Path) -> None:
     fig = Figure(figsize=(3.2 * len(panels), 3.2))
     FigureCanvasAgg(fig)
     for index, (name, record) in enumerate(panels, start=1):
-        rows = (ROOT / record["run_dir"] / "predictions.jsonl").read_text().splitlines()
-        probs = np.array([json.loads(r)["probs"] for r in rows])
-        labels = np.array([json.loads(r)["label"] for r in rows])
+        rows = read_run(ROOT / record["run_dir"]).predictions()
+        probs = np.array([r["probs"] for r in rows])
+        labels = np.array([r["label"] for r in rows])
         bins = reliability_bins(probs.max(1), probs.argmax(1) == labels, 10)
         ax = fig.add_subplot(1, len(panels), index)
         full = bins.counts > 0

@@ -23,8 +23,16 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from calm_lightning.errors import ExportError, run_command
-from calm_lightning.logits_processor import ADAPTER_DIR, CALIBRATION_FILE
+from calm_lightning.logits_processor import CALIBRATION_FILE
+from calm_lightning.models.calibrated_lm import ADAPTER_DIR, read_calibration_record
 from calm_lightning.models.logit_adjustment import HEAD_FILE
+from calm_lightning.run_record import (
+    CALIBRATION_DIR,
+    METRICS_FILE,
+    RunRecord,
+    RunRecordError,
+    read_run,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +41,6 @@ USAGE = (
     "[merge=true|false] [overwrite=false|true] [dtype=auto|float32|bfloat16|float16]"
 )
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-RUN_CONFIG = "config_resolved.yaml"
-CALIBRATION_DIR = "calibration"  # what the pipeline writes for methods that change the model
 FORMAT = "calm-lightning/calibration"
 FORMAT_VERSION = 1
 FORMULA = "z' = d * (z - c) + l"
@@ -100,6 +106,7 @@ class RunToExport:
     metrics: dict
     base_dtype: str  # what the run loaded the base in (calibration/calibrated_lm.json)
     base_4bit: bool
+    record: RunRecord  # the run directory as read (run_record.py)
 
     @property
     def calibration_dir(self) -> Path:
@@ -129,21 +136,16 @@ def inspect_run(run_dir: str | Path, exporting: bool = True) -> RunToExport:
     """
     from omegaconf import OmegaConf
 
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ExportError(f"run_dir={run_dir}: no such run directory")
-    config = run_dir / RUN_CONFIG
-    if not config.is_file():
-        raise ExportError(
-            f"run_dir={run_dir} is not a run directory (no {RUN_CONFIG}); pass the folder a "
-            "run wrote, e.g. outputs/runs/<model>/<method>/<setting>/<time>"
-        )
-    cfg = OmegaConf.load(config)
+    try:
+        saved = read_run(run_dir)
+    except RunRecordError as err:
+        raise ExportError(str(err)) from None
+    run_dir, cfg = saved.path, saved.config
     method = str(OmegaConf.select(cfg, "method.name", default="?"))
     cls = _method_class(cfg, method)
     if not cls.changes_model and exporting:
         raise ExportError(_nothing_to_export(cls, method, cfg))
-    calibration = run_dir / CALIBRATION_DIR
+    calibration = saved.calibration_dir
     if not calibration.is_dir() and cls.changes_model:
         raise ExportError(
             f"run_dir={run_dir} has no {CALIBRATION_DIR}/ folder, so there is no calibrated "
@@ -151,14 +153,12 @@ def inspect_run(run_dir: str | Path, exporting: bool = True) -> RunToExport:
             "Was the run interrupted? Resume it with `python -m calm_lightning.run "
             f"ckpt_path={run_dir} ...` (same overrides) or run it again."
         )
-    metrics_file = run_dir / "metrics.json"
-    if not metrics_file.is_file():
+    if not saved.finished:
         raise ExportError(
-            f"run_dir={run_dir} has no metrics.json: the run stopped before its final "
+            f"run_dir={run_dir} has no {METRICS_FILE}: the run stopped before its final "
             "evaluation, whose option tokens and metrics the export records; run it again"
         )
-    record_file = calibration / "calibrated_lm.json"
-    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    record = read_calibration_record(calibration)
     from calm_lightning.models.loading import resolve_dtype
 
     # Runs saved before the calibration recorded the base precision: the config's rule.
@@ -169,9 +169,10 @@ def inspect_run(run_dir: str | Path, exporting: bool = True) -> RunToExport:
         cfg=cfg,
         method=method,
         method_class=cls,
-        metrics=json.loads(metrics_file.read_text()),
+        metrics=saved.summary,
         base_dtype=dtype.removeprefix("torch."),
         base_4bit=bool(record.get("base_4bit", quantization == "nf4")),
+        record=saved,
     )
 
 

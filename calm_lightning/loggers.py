@@ -10,7 +10,12 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-WANDB_ID_FILE = "wandb_id.txt"
+from calm_lightning.run_record import (
+    RunResult,
+    read_wandb_id,
+    run_dir_of_checkpoint,
+    write_wandb_id,
+)
 
 
 def _wandb_overrides(cfg: DictConfig, node: DictConfig, resume_from: str | None) -> dict:
@@ -19,13 +24,12 @@ def _wandb_overrides(cfg: DictConfig, node: DictConfig, resume_from: str | None)
     out = Path(cfg.paths.output_dir)
     extra: dict = {}
     if not node.get("id"):
-        candidates = [out / WANDB_ID_FILE]
-        if resume_from:
-            candidates.insert(0, Path(resume_from).parent.parent / WANDB_ID_FILE)
-        found = next((c for c in candidates if c.is_file()), None)
-        if found:
-            run_id = found.read_text().strip()
-        else:
+        # A resumed run's id is in the run dir its checkpoint belongs to; a DDP child's in
+        # the run dir rank 0 has just written it to.
+        run_id = (resume_from and read_wandb_id(run_dir_of_checkpoint(resume_from))) or (
+            read_wandb_id(out)
+        )
+        if not run_id:
             import secrets
 
             # W&B run ids are short lowercase alphanumerics; any unique such string works.
@@ -33,7 +37,7 @@ def _wandb_overrides(cfg: DictConfig, node: DictConfig, resume_from: str | None)
         from calm_lightning.distributed import is_main_process
 
         if is_main_process():  # DDP children start later and read rank 0's id
-            (out / WANDB_ID_FILE).write_text(run_id)
+            write_wandb_id(out, run_id)
         extra["id"] = run_id
     if not node.get("group"):
         from calm_lightning.resolvers import in_multirun
@@ -60,7 +64,7 @@ def build_loggers(cfg: DictConfig, resume_from: str | None = None) -> list:
     return loggers
 
 
-def publish_results(loggers: list, cfg: DictConfig, out: Path, rows: dict) -> None:
+def publish_results(loggers: list, cfg: DictConfig, result: RunResult) -> None:
     """For each W&B logger: final metrics into the run summary, the resolved config
     (flattened), the reliability diagram as an image and the per-example predictions as a
     table. The csv logger needs nothing more (Lightning wrote its rows)."""
@@ -73,12 +77,11 @@ def publish_results(loggers: list, cfg: DictConfig, out: Path, rows: dict) -> No
         flat = pd.json_normalize(OmegaConf.to_container(cfg, resolve=True), sep=".")
         logger.log_hyperparams(flat.iloc[0].to_dict())
         run = logger.experiment
-        for method, metrics in rows.items():
+        for method, metrics in result.comparison.items():
             run.summary.update({f"{method}/{k}": v for k, v in metrics.items()})
-        run.log({"reliability": wandb.Image(str(out / "reliability.png"))})
-        rows_json = [
-            json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()
-        ]
+        # W&B uploads the diagram from the file the run wrote (it stores images as files).
+        run.log({"reliability": wandb.Image(str(result.reliability_plot))})
+        rows_json = result.predictions
         columns = list(rows_json[0]) if rows_json else []
         # Lists (option probabilities, samples, clusters) go in as JSON text cells.
         table = wandb.Table(

@@ -18,7 +18,6 @@ from transformers import LogitsProcessor
 from calm_lightning.models.logit_adjustment import HEAD_FILE, LogitAdjustment
 
 CALIBRATION_FILE = "calibration.json"  # what the calibration is: formula, method, prompt format
-ADAPTER_DIR = "adapter"  # merge=false: the PEFT adapter, beside the unmerged base at the root
 
 
 def read_calibration(folder: str | Path) -> dict:

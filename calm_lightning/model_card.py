@@ -12,9 +12,14 @@ import yaml
 from omegaconf import OmegaConf
 
 from calm_lightning.evaluation.results import TABLE_COLUMNS
+from calm_lightning.run_record import BASE_DIR, DATA_SUMMARY_FILE, RELIABILITY_FILE
 
 PERCENT = ("accuracy", "acc_norm", "unattempted")
-DIAGRAMS = {"reliability.png": "reliability.png", "base/reliability.png": "reliability_base.png"}
+# The run's diagrams (path in the run directory) -> their names in the exported folder.
+DIAGRAMS = {
+    RELIABILITY_FILE: "reliability.png",
+    f"{BASE_DIR}/{RELIABILITY_FILE}": "reliability_base.png",
+}
 
 
 def write_model_card(run, folder: Path, info: dict) -> Path:
@@ -153,18 +158,16 @@ def _evaluation(run, diagrams: dict) -> str:
         cells = [_cell(k, metrics.get(k)) for k, _ in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
-    if "reliability.png" in diagrams:
-        lines.append(f"![reliability diagram, {run.method}](reliability.png)")
-    if "base/reliability.png" in diagrams:
-        lines.append("![reliability diagram, base](reliability_base.png)")
+    for source, name in diagrams.items():
+        shown = run.method if source == RELIABILITY_FILE else "base"
+        lines.append(f"![reliability diagram, {shown}]({name})")
     return "\n".join(lines) + "\n"
 
 
 def _data(run) -> str:
-    path = run.run_dir / "data_summary.json"
-    if not path.is_file():
+    summary = run.record.data_summary
+    if summary is None:
         return "## Data\n\nThe run recorded no data summary.\n"
-    summary = json.loads(path.read_text())
     lines = ["## Data\n", "| split | source | kind | examples |", "|---|---|---|---:|"]
     for split in ("train", "heldout", "test"):
         part = summary.get(split)
@@ -175,7 +178,7 @@ def _data(run) -> str:
             )
     lines += [
         "",
-        "<details><summary>the run's data_summary.json (files, truncations)</summary>",
+        f"<details><summary>the run's {DATA_SUMMARY_FILE} (files, truncations)</summary>",
         "",
         "```json",
         json.dumps(summary, indent=2),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from calm_lightning.reporting.collect import collect_runs
 from calm_lightning.reporting.render import write_report
+from calm_lightning.run_record import CONFIG_FILE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,13 +27,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"not a directory: {', '.join(missing)}")
     runs = collect_runs(args.dirs)
     if not runs:
-        parser.error("no runs found (no config_resolved.yaml below the given directories)")
+        parser.error(f"no runs found (no {CONFIG_FILE} below the given directories)")
     out = Path(args.out) if args.out else Path(args.dirs[0]) / "report"
     result = write_report(runs, out, args.min_accuracy_ratio)
-    print((out / "report.md").read_text())
+    print(result["markdown"])
     print(
         f"written: {out}/report.md, results.csv, selected.csv"
-        + (", retention.csv" if (out / "retention.csv").is_file() else "")
+        + (", retention.csv" if result["retention"] else "")
         + (", reliability_grid.png" if result["grid"] else "")
     )
     return 0

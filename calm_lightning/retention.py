@@ -92,19 +92,12 @@ def evaluate_run(
     """Retention of the saved run in `run_dir` (base row, then the method's when it changes
     the model); returns the retention.json it wrote."""
     from calm_lightning.evaluation.results import run_meta
-    from calm_lightning.evaluation.retention import (
-        RETENTION_DIR,
-        RETENTION_FILE,
-        evaluate_retention,
-        format_retention_table,
-        load_tasks,
-        write_retention,
-    )
+    from calm_lightning.evaluation.retention import RetentionStep
     from calm_lightning.export import inspect_run, load_base_model, target_dtype
     from calm_lightning.models.calibrated_lm import CalibratedLM
+    from calm_lightning.run_record import RETENTION_FILE, write_retention
 
     run = inspect_run(run_dir, exporting=False)
-    settings = settings_for(run.cfg, arguments or {})
     out = Path(out) if out else run.run_dir
     target = out / RETENTION_FILE
     if target.exists() and not overwrite:
@@ -112,26 +105,16 @@ def evaluate_run(
             f"{target} exists; pass overwrite=true to replace it, or another out=<dir>"
         )
     # Data first: a missing file stops before the model loads.
-    tasks = load_tasks(settings, out / RETENTION_DIR)
+    retention = RetentionStep(settings_for(run.cfg, arguments or {}), out)
     loaded = load_base_model(run, target_dtype(run))
-    rows = {
-        "base": evaluate_retention(
-            CalibratedLM(loaded.model, None),
-            loaded.tokenizer,
-            tasks,
-            settings,
-            out / RETENTION_DIR / "base",
-        )
-    }
+    retention.evaluate("base", CalibratedLM(loaded.model, None), loaded.tokenizer)
     if run.method_class.changes_model:
         calibrated = CalibratedLM.load(loaded.model, run.calibration_dir).eval()
-        rows[run.method] = evaluate_retention(
-            calibrated, loaded.tokenizer, tasks, settings, out / RETENTION_DIR / run.method
-        )
+        retention.evaluate(run.method, calibrated, loaded.tokenizer)
     meta = {**run_meta(run.cfg), "run_dir": str(run.run_dir.resolve()), "source": "saved run"}
-    path = write_retention(out, rows, settings, meta)
+    path = write_retention(out, retention.record(meta))
     print(f"\nretention of {run.run_dir} (lm-eval, zero-shot; {path})")
-    print(format_retention_table(rows))
+    print(retention.table())
     return path
 
 

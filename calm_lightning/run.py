@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import hydra
@@ -16,7 +14,6 @@ from calm_lightning.errors import CalmLightningError
 from calm_lightning.resolvers import in_multirun  # importing it registers the resolvers
 
 log = logging.getLogger(__name__)
-FAILED_FILE = "failed.json"
 
 
 # The config tree is the package `calm_lightning.conf` (top-level conf/ in the source tree,
@@ -46,13 +43,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _record_failure(out: Path, err: Exception) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / FAILED_FILE).write_text(
-        json.dumps(
-            {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()},
-            indent=2,
-        )
-    )
+    from calm_lightning.run_record import write_failure
+
+    write_failure(out, err)
     log.error("job failed, the sweep continues: %s: %s", type(err).__name__, err)
 
 

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import lightning as L
 from torch.utils.data import DataLoader
@@ -226,8 +224,3 @@ class CalibrationDataModule(L.LightningDataModule):
         if self._test_collator is not None:
             out["test_prompts_truncated"] = self._test_collator.truncated
         return out
-
-    def write_summary(self, directory: str | Path) -> Path:
-        path = Path(directory) / "data_summary.json"
-        path.write_text(json.dumps(self.summary(), indent=2))
-        return path

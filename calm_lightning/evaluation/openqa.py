@@ -1,13 +1,12 @@
 """Open-ended QA evaluation (Sem-ECE): sample n answers per question with the calibrated model,
 cluster equivalent answers, take the largest cluster's answer and share, grade it against the
-gold aliases, then write the same metrics.json / predictions.jsonl / reliability.png as MCQA.
+gold aliases, then record the same metrics, predictions and reliability diagram as MCQA.
 
 Defaults follow the paper: 20 samples per question at temperature 1.0, 10 equal-width bins.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +14,6 @@ import numpy as np
 import torch
 
 from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.results import result_paths
 from calm_lightning.evaluation.sampling import sample_answers
 from calm_lightning.metrics.reliability import plot_confidence_reliability
 from calm_lightning.metrics.semantic import (
@@ -27,6 +25,7 @@ from calm_lightning.metrics.semantic import (
     semantic_ece,
     split_half_answer,
 )
+from calm_lightning.run_record import Evaluation
 
 CONFIDENCES = ("modal", "split_half")
 
@@ -122,9 +121,15 @@ class OpenQAPredictions:
             "n": len(self.rows),
         }
 
-    def write(self, directory, metrics: dict, meta: dict, title: str = "") -> dict[str, Path]:
-        """Result files under `directory` (metrics.json, predictions.jsonl, reliability.png)."""
-        return write_openqa_results(directory, self, metrics, meta, title=title)
+    def evaluation(self, metrics: dict, meta: dict) -> Evaluation:
+        """The run record: metrics.json's payload and one predictions row per question
+        (samples, clusters, confidence, correctness)."""
+        summary = {"metrics": metrics, **meta, "task": "openqa", "sampling": self.describe()}
+        rows = [dict(row, confidence=round(row["confidence"], 6)) for row in self.rows]
+        return Evaluation(summary, rows)
+
+    def plot_reliability(self, path: Path, title: str = "") -> None:
+        plot_confidence_reliability(self.confidences, self.correct, path, title=title)
 
     def describe(self) -> dict:
         """The sampling / clustering / grading settings, for metrics.json."""
@@ -140,20 +145,3 @@ class OpenQAPredictions:
             "confidence": s.confidence,
             "seed": s.seed,
         }
-
-
-def write_openqa_results(
-    directory: str | Path, predictions: OpenQAPredictions, metrics: dict, meta: dict, title=""
-) -> dict[str, Path]:
-    """metrics.json, one predictions.jsonl row per question (samples, clusters, confidence,
-    correctness) and the reliability diagram, under `directory`."""
-    paths = result_paths(directory)
-    payload = {"metrics": metrics, **meta, "task": "openqa", "sampling": predictions.describe()}
-    paths["metrics"].write_text(json.dumps(payload, indent=2))
-    with paths["predictions"].open("w", encoding="utf-8") as handle:
-        for row in predictions.rows:
-            handle.write(json.dumps(dict(row, confidence=round(row["confidence"], 6))) + "\n")
-    plot_confidence_reliability(
-        predictions.confidences, predictions.correct, paths["reliability"], title=title
-    )
-    return paths

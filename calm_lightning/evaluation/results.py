@@ -1,12 +1,12 @@
-"""Result files every run writes (metrics.json, predictions.jsonl, reliability.png) and the
-table printed at the end of a run."""
+"""An MCQA evaluation as a run record (calm_lightning/run_record.py writes it), its reliability
+diagram, and the table printed at the end of a run."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from calm_lightning.metrics.reliability import plot_reliability_diagram
+from calm_lightning.run_record import Evaluation
 
 TABLE_COLUMNS = (
     ("accuracy", "acc"),
@@ -34,23 +34,10 @@ def run_meta(cfg) -> dict:
     }
 
 
-def result_paths(directory: str | Path) -> dict[str, Path]:
-    """The result files every run writes under `directory` (created if needed)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    return {
-        "metrics": directory / "metrics.json",
-        "predictions": directory / "predictions.jsonl",
-        "reliability": directory / "reliability.png",
-    }
-
-
-def write_mcqa_results(
-    directory: str | Path, predictions, metrics: dict, meta: dict, title: str = ""
-) -> dict[str, Path]:
-    """Write metrics, per-example predictions and the reliability diagram under `directory`."""
-    paths = result_paths(directory)
-    payload = {
+def mcqa_evaluation(predictions, metrics: dict, meta: dict) -> Evaluation:
+    """The run record of an MCQA evaluation: metrics.json's payload and one predictions row
+    per question (option probabilities, stated answer, confidence, correctness)."""
+    summary = {
         "metrics": metrics,
         **meta,
         "option_tokens": {
@@ -59,17 +46,17 @@ def write_mcqa_results(
             "letters": predictions.option_tokens.letters,
         },
     }
-    paths["metrics"].write_text(json.dumps(payload, indent=2))
     letters = predictions.option_tokens.letters
-    with paths["predictions"].open("w", encoding="utf-8") as handle:
-        stated = predictions.predicted
-        if stated is None:
-            stated = predictions.probs.argmax(1)
-        for example_id, probs, label, prediction in zip(
-            predictions.ids, predictions.probs, predictions.labels, stated, strict=True
-        ):
-            prediction = int(prediction)
-            row = {
+    stated = predictions.predicted
+    if stated is None:
+        stated = predictions.probs.argmax(1)
+    rows = []
+    for example_id, probs, label, prediction in zip(
+        predictions.ids, predictions.probs, predictions.labels, stated, strict=True
+    ):
+        prediction = int(prediction)
+        rows.append(
+            {
                 "id": example_id,
                 "probs": [round(float(p), 6) for p in probs],
                 "label": int(label),
@@ -78,15 +65,18 @@ def write_mcqa_results(
                 "confidence": round(float(probs[prediction]), 6),
                 "correct": prediction == int(label),
             }
-            handle.write(json.dumps(row) + "\n")
+        )
+    return Evaluation(summary, rows)
+
+
+def plot_mcqa_reliability(predictions, path: Path, title: str = "") -> None:
     plot_reliability_diagram(
         predictions.probs,
         predictions.labels,
-        paths["reliability"],
+        path,
         title=title,
         predictions=predictions.predicted,
     )
-    return paths
 
 
 def format_table(rows: dict[str, dict]) -> str:

@@ -34,11 +34,10 @@ from calm_lightning.errors import (
     MissingDependencyError,
 )
 from calm_lightning.metrics.calibration import confidence_ece
+from calm_lightning.run_record import RETENTION_DIR
 
 log = logging.getLogger(__name__)
 
-RETENTION_FILE = "retention.json"
-RETENTION_DIR = "retention"  # generated task configs and per-sample outputs
 PAPER_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "winogrande", "piqa")
 # The columns of each task's hub dataset, for the message when local files are needed.
 SCHEMAS = {
@@ -425,13 +424,11 @@ def write_samples(path: Path, task, samples: list[dict]) -> None:
             handle.write(json.dumps(record) + "\n")
 
 
-def write_retention(
-    out: Path, rows: dict[str, dict], settings: RetentionSettings, meta: dict
-) -> Path:
-    """retention.json: the settings, lm-eval's version and one row per evaluated model."""
+def retention_record(rows: dict[str, dict], settings: RetentionSettings, meta: dict) -> dict:
+    """retention.json's content: the settings, lm-eval's version and one row per model."""
     from importlib.metadata import version
 
-    payload = {
+    return {
         **meta,
         "lm_eval_version": version("lm_eval"),
         "num_fewshot": 0,
@@ -440,10 +437,37 @@ def write_retention(
         "data_files": {k: list(v) for k, v in settings.data_files.items()},
         "rows": rows,
     }
-    path = Path(out) / RETENTION_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2))
-    return path
+
+
+class RetentionStep:
+    """Retention as one evaluation step of a run: the tasks' data are read when the step is
+    made (before any model loads), then `evaluate` adds a row per model (the untouched base
+    first, then the method's) under `out`'s retention/ folder."""
+
+    def __init__(self, settings: RetentionSettings, out: str | Path) -> None:
+        self.settings, self.out = settings, Path(out)
+        self.tasks = load_tasks(settings, self.out / RETENTION_DIR) if settings.enabled else {}
+        self.rows: dict[str, dict] = {}
+
+    @classmethod
+    def from_config(cls, node, out: str | Path) -> RetentionStep:
+        return cls(RetentionSettings.from_config(node), out)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tasks)
+
+    def evaluate(self, name: str, lm, tokenizer) -> dict:
+        self.rows[name] = evaluate_retention(
+            lm, tokenizer, self.tasks, self.settings, self.out / RETENTION_DIR / name
+        )
+        return self.rows[name]
+
+    def record(self, meta: dict) -> dict:
+        return retention_record(self.rows, self.settings, meta)
+
+    def table(self) -> str:
+        return format_retention_table(self.rows)
 
 
 def format_retention_table(rows: dict[str, dict]) -> str:

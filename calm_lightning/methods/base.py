@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 
+from calm_lightning.config_checks import check_values, merged_rules
 from calm_lightning.data.prompts import OPTION_LETTERS
 from calm_lightning.data.records import OpenQARecord
 from calm_lightning.distributed import gather_objects, world
@@ -32,7 +33,7 @@ from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.cloze import ClozeSettings, score_cloze
 from calm_lightning.evaluation.mcqa import OptionTokens, choose_option_tokens, score_options
 from calm_lightning.evaluation.openqa import OpenQAPredictions, OpenQASettings, score_openqa_batch
-from calm_lightning.evaluation.results import write_mcqa_results
+from calm_lightning.evaluation.results import mcqa_evaluation, plot_mcqa_reliability
 from calm_lightning.metrics.calibration import calibration_report
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
@@ -64,9 +65,12 @@ class MCQAPredictions:
         )
         return {**metrics, **self.extra}
 
-    def write(self, directory, metrics: dict, meta: dict, title: str = "") -> dict:
-        """Result files under `directory` (metrics.json, predictions.jsonl, reliability.png)."""
-        return write_mcqa_results(directory, self, metrics, meta, title=title)
+    def evaluation(self, metrics: dict, meta: dict):
+        """The run record of this evaluation (metrics.json payload, predictions rows)."""
+        return mcqa_evaluation(self, metrics, meta)
+
+    def plot_reliability(self, path, title: str = "") -> None:
+        plot_mcqa_reliability(self, path, title=title)
 
 
 def unique_by_id(items: list, key) -> list:
@@ -264,6 +268,14 @@ class CalibrationMethod(L.LightningModule):
                 chosen, gold = chosen[keep], gold[keep]
             extra["acc_norm"] = float((chosen == gold).double().mean())
         return MCQAPredictions(ids, probs, labels, self.option_tokens, predicted, extra)
+
+    def check_arguments(self, **values) -> None:
+        """The class's `config_rules` applied to constructor arguments: the same checks the
+        pipeline runs on the config before any model loads (config_checks.py). Each class
+        checks the arguments it takes (a rule `a.b` belongs to the argument `a`)."""
+        rules = merged_rules(type(self))
+        mine = {key: rule for key, rule in rules.items() if key.split(".")[0] in values}
+        check_values("method.module", values, mine)
 
     def save_calibration(self, directory) -> None:
         """Write what calibration changed (adapter + head) to `directory`."""

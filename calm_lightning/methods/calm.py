@@ -29,9 +29,11 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
+from calm_lightning.config_checks import Keys, Number, OneOf
 from calm_lightning.distributed import GlobalMean
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.base import HEAD_CONFIGURED
@@ -315,6 +317,21 @@ class CALM(TrainingMethod):
 
     head = HEAD_CONFIGURED  # alpha = (d, l), `method.head`
     supports_fsdp = False  # gradients by torch.autograd.grad (see TrainingMethod)
+    # The schedule and the inner optimizer are required: their one default is calm.yaml's.
+    config_rules: ClassVar[dict] = {
+        "inner_steps": Number(minimum=1, integer=True),
+        "eta": Number(minimum=0, exclusive_minimum=True),
+        "lower_lr": Number(minimum=0, exclusive_minimum=True),
+        "upper_lr": Number(minimum=0),  # 0 freezes the head (the frozen-head control)
+        "clamp": Number(minimum=0, exclusive_minimum=True),
+        "upper_objective": OneOf(UPPER_OBJECTIVES),
+        "inner_lr": Number(minimum=0, exclusive_minimum=True, optional=True),
+        "inner_optimizer": OneOf(INNER_OPTIMIZERS, required=True),
+        "surrogate": Keys(("schedule", "steps")),
+        "surrogate.schedule": OneOf(SCHEDULES, required=True),
+        "surrogate.steps": Number(minimum=1, integer=True),
+        "residual_dropout": OneOf((True, False)),
+    }
 
     def __init__(
         self,
@@ -339,34 +356,22 @@ class CALM(TrainingMethod):
         `kwargs`: warmup_ratio, min_lr_ratio, betas, weight_decay (TrainingMethod) and the
         shared evaluation options."""
         super().__init__(model, tokenizer, **kwargs)
-        if upper_objective not in UPPER_OBJECTIVES:
-            raise ConfigError(
-                f"upper_objective={upper_objective!r} is not one of {', '.join(UPPER_OBJECTIVES)}"
-            )
+        self.check_arguments(
+            inner_steps=inner_steps,
+            eta=eta,
+            lower_lr=lower_lr,
+            upper_lr=upper_lr,
+            clamp=clamp,
+            upper_objective=upper_objective,
+            inner_lr=inner_lr,
+            inner_optimizer=inner_optimizer,
+            surrogate=surrogate,
+        )
         if model.head is None:
             raise ConfigError("CALM needs a logit-adjustment head: set method.head (vector|scalar)")
-        if inner_steps < 1:
-            raise ConfigError(f"method.module.inner_steps must be >= 1, got {inner_steps}")
-        if inner_optimizer not in INNER_OPTIMIZERS:
-            raise ConfigError(
-                f"method.module.inner_optimizer={inner_optimizer!r} is not one of "
-                f"{', '.join(INNER_OPTIMIZERS)} (conf/method/calm.yaml sets the default)"
-            )
         surrogate = dict(surrogate or {})
-        unknown = set(surrogate) - {"schedule", "steps"}
-        if unknown:
-            raise ConfigError(
-                f"method.module.surrogate takes schedule and steps, not {sorted(unknown)}"
-            )
         self.schedule = surrogate.get("schedule")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(
-                f"method.module.surrogate.schedule={self.schedule!r} is not one of "
-                f"{', '.join(SCHEDULES)} (conf/method/calm.yaml sets the default)"
-            )
         self.surrogate_steps = int(surrogate.get("steps", 1))
-        if self.surrogate_steps < 1:
-            raise ConfigError("method.module.surrogate.steps must be >= 1")
         self.automatic_optimization = False
         self.inner_steps = int(inner_steps)
         self.eta = float(eta)
@@ -489,7 +494,7 @@ class CALM(TrainingMethod):
             self.inner_lr,
             inner_optimizer=self.inner_optimizer,
             betas=self.betas,
-            mean=GlobalMean(self.device),
+            mean=GlobalMean(),
             persistent=self.persistent,
         )
         bad = first_non_finite(

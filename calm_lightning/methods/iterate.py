@@ -7,8 +7,11 @@ batch (adapters frozen). Plain gradients of each objective; two AdamW optimizers
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
+from calm_lightning.config_checks import Number
 from calm_lightning.distributed import GlobalMean
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.base import HEAD_CONFIGURED
@@ -22,6 +25,12 @@ class Iterate(TrainingMethod):
     head = HEAD_CONFIGURED  # the upper block, `method.head`
     needs_heldout = True  # the upper step reads held-out batches
     supports_fsdp = False  # gradients by torch.autograd.grad (see TrainingMethod)
+    config_rules: ClassVar[dict] = {
+        "lower_steps": Number(minimum=1, integer=True),
+        "lower_lr": Number(minimum=0, exclusive_minimum=True),
+        "upper_lr": Number(minimum=0),
+        "ce_weight": Number(minimum=0, maximum=1),
+    }
 
     def __init__(
         self,
@@ -34,6 +43,9 @@ class Iterate(TrainingMethod):
         **kwargs,
     ) -> None:
         super().__init__(model, tokenizer, **kwargs)
+        self.check_arguments(
+            lower_steps=lower_steps, lower_lr=lower_lr, upper_lr=upper_lr, ce_weight=ce_weight
+        )
         if model.head is None:
             raise ConfigError("Iterate tunes a logit-adjustment head: set method.head")
         self.automatic_optimization = False
@@ -76,7 +88,7 @@ class Iterate(TrainingMethod):
         # Gradients only for this block: the other block stays frozen for this step. They
         # bypass DDP's hooks, so the global batch's mean is formed here (distributed.py).
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        loss, grads = GlobalMean(loss.device).both(loss, grads, count)
+        loss, grads = GlobalMean().both(loss, grads, count)
         if first_non_finite(**{name: loss}):
             self.fail_non_finite(name)
         if first_non_finite(**{f"{name} gradient": list(grads)}):

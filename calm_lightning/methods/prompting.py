@@ -13,9 +13,11 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import replace
+from typing import ClassVar
 
 import torch
 
+from calm_lightning.config_checks import Number, OneOf
 from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, render_prompt
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.mcqa import score_options
@@ -83,7 +85,7 @@ def option_orders(k: int, kind: str) -> list[tuple[int, ...]]:
         return [tuple((i + s) % k for i in range(k)) for s in range(k)]
     if kind == "all":
         return list(itertools.permutations(range(k)))
-    raise ConfigError(f"cape.permutations={kind!r} is not one of cyclic, all")
+    raise ConfigError(f"method.module.permutations={kind!r} is not one of cyclic, all")
 
 
 def permutation_average(records, score, kind: str = "cyclic") -> torch.Tensor:
@@ -112,9 +114,11 @@ class CAPE(_RecordsByIdMixin, CalibrationMethod):
         "prompt, so every order gives the same scores (CAPE would equal base)"
     )
 
+    config_rules: ClassVar[dict] = {"permutations": OneOf(("cyclic", "all"))}
+
     def __init__(self, model, tokenizer=None, permutations: str = "cyclic", **evaluation) -> None:
         super().__init__(model, tokenizer, **evaluation)
-        option_orders(4, permutations)  # validate early
+        self.check_arguments(permutations=permutations)
         self.permutations = permutations
 
     def on_test_start(self) -> None:
@@ -153,6 +157,12 @@ ELICITATION_INSTRUCTION = (
 class Elicitation(_RecordsByIdMixin, CalibrationMethod):
     """The PoLM states its answer letter and a confidence (greedy decoding)."""
 
+    config_rules: ClassVar[dict] = {
+        "max_new_tokens": Number(minimum=1, integer=True),
+        "batch_size": Number(minimum=1, integer=True),
+        "fallback_confidence": OneOf(("uniform", "model")),
+    }
+
     cloze_refusal = (
         "elicitation's confidence is the number the model writes, not a distribution scored "
         "over the options, so there is nothing for option likelihood to score"
@@ -168,8 +178,11 @@ class Elicitation(_RecordsByIdMixin, CalibrationMethod):
         **evaluation,
     ) -> None:
         super().__init__(model, tokenizer, **evaluation)
-        if fallback_confidence not in ("uniform", "model"):
-            raise ConfigError("elicitation.fallback_confidence must be uniform or model")
+        self.check_arguments(
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            fallback_confidence=fallback_confidence,
+        )
         self.max_new_tokens = int(max_new_tokens)
         self.generation_batch_size = int(batch_size)
         self.fallback_confidence = fallback_confidence

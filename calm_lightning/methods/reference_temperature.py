@@ -20,6 +20,7 @@ import logging
 import os
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch.utils.data import DataLoader
@@ -33,6 +34,7 @@ from calm_lightning.calibrators.reference import (
     fit_temperature_adam,
     inferential_stability_entropy,
 )
+from calm_lightning.config_checks import Number, OneOf
 from calm_lightning.data.collate import pad_left
 from calm_lightning.data.prompts import mcqa_plain_prompt, mcqa_user_text, render_prompt
 from calm_lightning.distributed import is_main_process
@@ -61,6 +63,13 @@ class ReferenceTemperature(PosthocTemperature):
     installing T; subclasses define the loss."""
 
     needs_reference_model = True
+    config_rules: ClassVar[dict] = {
+        "lr": Number(minimum=0, exclusive_minimum=True),
+        "epochs": Number(minimum=1, integer=True),
+        "batch_size": Number(minimum=1, integer=True),
+        "init_temperature": Number(minimum=0, exclusive_minimum=True),
+        "reference_prompt": OneOf(REFERENCE_PROMPTS),
+    }
     cloze_refusal = (
         "DACA and Dual-Align fit T on both models' logit lens over the option letters at the "
         "answer slot; Dual-Align's layer-wise alignment has no cloze counterpart (no single "
@@ -88,12 +97,15 @@ class ReferenceTemperature(PosthocTemperature):
         **evaluation,
     ) -> None:
         super().__init__(model, tokenizer, **evaluation)
+        self.check_arguments(
+            lr=lr,
+            epochs=epochs,
+            batch_size=batch_size,
+            init_temperature=init_temperature,
+            reference_prompt=reference_prompt,
+        )
         if not reference_model:
             raise ConfigError(f"{type(self).__name__} needs reference_model=<PLM>")
-        if reference_prompt not in REFERENCE_PROMPTS:
-            raise ConfigError(
-                f"reference_prompt={reference_prompt!r} is not one of {REFERENCE_PROMPTS}"
-            )
         if model.head is None or model.head.kind != "scalar":
             raise ConfigError(f"{type(self).__name__} needs a scalar head (build_model makes one)")
         self.reference_cfg = dict(reference_model)
@@ -325,6 +337,11 @@ class DACA(ReferenceTemperature):
 class DualAlign(ReferenceTemperature):
     """Divergence-weighted confidence + process (ISE) alignment to the PLM (reconstruction)."""
 
+    config_rules: ClassVar[dict] = {
+        "min_layer": Number(minimum=0, integer=True),
+        "weight": OneOf(WEIGHTS),
+    }
+
     def __init__(
         self,
         model,
@@ -337,10 +354,12 @@ class DualAlign(ReferenceTemperature):
         **kwargs,
     ) -> None:
         super().__init__(model, tokenizer, **kwargs)
+        self.check_arguments(min_layer=min_layer, weight=weight)
         if not (confidence_term or process_term):
-            raise ConfigError("dual_align needs confidence_term or process_term (or both)")
-        if weight not in WEIGHTS:
-            raise ConfigError(f"weight={weight!r} is not one of {', '.join(WEIGHTS)}")
+            raise ConfigError(
+                "method.module.confidence_term and method.module.process_term are both false: "
+                "dual_align needs one of them (or both)"
+            )
         self.min_layer = int(min_layer)
         self.weight = weight
         self.ise_tempered = ise_tempered

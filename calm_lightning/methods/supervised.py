@@ -9,12 +9,13 @@ non-finite check happens before any parameter moves, exactly as in CALM.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import move_data_to_device
 
+from calm_lightning.config_checks import Number, OneOf
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.objectives import (
     adjusted_predictions,
@@ -70,6 +71,12 @@ class Scored(NamedTuple):
 class SupervisedMethod(TrainingMethod):
     """A single-level method: subclasses implement `loss(batch) -> (loss, logs)`."""
 
+    config_rules: ClassVar[dict] = {
+        "lr": Number(minimum=0, exclusive_minimum=True),
+        "objective": OneOf(("auto", "vocab", "options")),
+        "initial_pass_batches": Number(minimum=1, integer=True, optional=True),
+    }
+
     def __init__(
         self,
         model,
@@ -81,6 +88,7 @@ class SupervisedMethod(TrainingMethod):
         **kwargs,
     ) -> None:
         super().__init__(model, tokenizer, warmup_ratio=warmup_ratio, **kwargs)
+        self.check_arguments(lr=lr, objective=objective, initial_pass_batches=initial_pass_batches)
         self.automatic_optimization = False
         self.initial_pass_batches = initial_pass_batches
         self.lr = float(lr)
@@ -177,8 +185,11 @@ class SupervisedMethod(TrainingMethod):
 class Regularization(SupervisedMethod):
     """L = CE(y, p) - alpha_reg * H(p): the entropy objective as a single-level penalty."""
 
+    config_rules: ClassVar[dict] = {"alpha_reg": Number(minimum=0)}
+
     def __init__(self, model, tokenizer=None, alpha_reg: float = 1e-5, **kwargs) -> None:
         super().__init__(model, tokenizer, **kwargs)
+        self.check_arguments(alpha_reg=alpha_reg)
         self.alpha_reg = float(alpha_reg)
 
     def loss(self, batch):
@@ -296,10 +307,16 @@ class CFT(SupervisedMethod):
     per-bin accuracy is the initial model's top-1 next-token accuracy).
     """
 
+    config_rules: ClassVar[dict] = {
+        "weight": Number(minimum=0, maximum=1),
+        "scale": Number(minimum=0),
+    }
+
     def __init__(
         self, model, tokenizer=None, weight: float = 0.5, scale: float = 1e-3, **kwargs
     ) -> None:
         super().__init__(model, tokenizer, **kwargs)
+        self.check_arguments(weight=weight, scale=scale)
         self.weight = float(weight)
         self.scale = float(scale)
 

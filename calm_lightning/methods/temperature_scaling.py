@@ -11,11 +11,13 @@ TS can fail out of domain.
 from __future__ import annotations
 
 import logging
+from typing import ClassVar
 
 import torch
 from torch.utils.data import DataLoader
 
 from calm_lightning.calibrators.temperature import BOUNDS, fit_temperature
+from calm_lightning.config_checks import Number
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.cloze import (
     ClozeScores,
@@ -39,6 +41,10 @@ class TemperatureScaling(PosthocTemperature):
     on each token before the per-option sum, which may reorder options of different lengths."""
 
     supports_cloze = True
+    config_rules: ClassVar[dict] = {
+        "calibration_fraction": Number(minimum=0, maximum=1, exclusive_minimum=True),
+        "max_positions": Number(minimum=1, integer=True),
+    }
 
     def __init__(
         self,
@@ -50,6 +56,7 @@ class TemperatureScaling(PosthocTemperature):
         **evaluation,
     ) -> None:
         super().__init__(model, tokenizer, **evaluation)
+        self.check_arguments(calibration_fraction=calibration_fraction, max_positions=max_positions)
         if model.head is None or model.head.kind != "scalar":
             raise ConfigError("temperature scaling needs a scalar head (build_model makes one)")
         self.calibration_fraction = float(calibration_fraction)

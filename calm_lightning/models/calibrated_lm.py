@@ -11,7 +11,10 @@ from torch import nn
 
 from calm_lightning.models.logit_adjustment import HEAD_FILE, LogitAdjustment
 
+# A saved calibration folder (a run's calibration/): the PEFT adapter, the head's file and
+# what the base was loaded as. An export folder with merge=false reuses the adapter's name.
 ADAPTER_DIR = "adapter"
+RECORD_FILE = "calibrated_lm.json"
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -98,7 +101,7 @@ class CalibratedLM(nn.Module):
         if self.head is not None:
             self.head.save(directory)
             saved["head"] = True
-        (directory / "calibrated_lm.json").write_text(json.dumps(saved))
+        (directory / RECORD_FILE).write_text(json.dumps(saved))
         return directory
 
     def base_precision(self) -> dict:
@@ -125,3 +128,9 @@ class CalibratedLM(nn.Module):
             lm = PeftModel.from_pretrained(base_lm, directory / ADAPTER_DIR)
         head = LogitAdjustment.load(directory) if (directory / HEAD_FILE).is_file() else None
         return cls(lm, head)
+
+
+def read_calibration_record(directory: str | Path) -> dict:
+    """What `CalibratedLM.save` recorded in `directory` ({} for a folder saved without it)."""
+    path = Path(directory) / RECORD_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,18 +1,18 @@
-"""Step one of a report: find every run directory (one holding `config_resolved.yaml`) below the
-given roots, read its flattened config and its `metrics.json` (or `failed.json`, and
-`retention.json` when the run measured retention) into a `Run`,
-and mark as hyper-parameters the config keys that differ within each (model, setting, method)
-group, leaving out seeds, paths and keys interpolated from the seed.
+"""Step one of a report: every run directory below the given roots, read through the run
+record (run_record.py: its config, metrics, failure and retention rows) into a `Run` with a
+flattened config, and mark as hyper-parameters the config keys that differ within each
+(model, setting, method) group, leaving out seeds, paths and keys interpolated from the seed.
 """
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
+
+from calm_lightning.run_record import find_runs
 
 IGNORED_KEYS = ("paths.", "hydra.", "trainer.default_root_dir", "logger.", "callbacks.", "seed")
 
@@ -42,34 +42,23 @@ def _flatten(node, prefix: str = "") -> dict:
 
 
 def collect_runs(roots: list[str | Path]) -> list[Run]:
-    """Every run directory below `roots` (a dir holding config_resolved.yaml), finished or not."""
+    """Every run directory below `roots`, finished or not."""
     runs = []
-    for root in roots:
-        for config_path in sorted(Path(root).rglob("config_resolved.yaml")):
-            run_dir = config_path.parent
-            config = OmegaConf.to_container(OmegaConf.load(config_path))
-            flat = _flatten(config)
-            run = Run(
-                run_dir,
-                flat.get("model.name", "?"),
-                flat.get("method.name", "?"),
-                flat.get("setting.name", "?"),
-                int(flat.get("seed", 0)),
-                flat,
-            )
-            metrics_file, failed_file = run_dir / "metrics.json", run_dir / "failed.json"
-            if metrics_file.is_file():
-                payload = json.loads(metrics_file.read_text())
-                run.metrics = payload["metrics"]
-                run.base = (payload.get("comparison") or {}).get("base")
-            elif failed_file.is_file():
-                run.error = json.loads(failed_file.read_text()).get("error", "failed")
-            else:
-                run.error = "no metrics.json (interrupted or still running)"
-            retention_file = run_dir / "retention.json"
-            if retention_file.is_file():
-                run.retention = json.loads(retention_file.read_text()).get("rows")
-            runs.append(run)
+    for record in find_runs(roots):
+        flat = _flatten(OmegaConf.to_container(record.config))
+        run = Run(
+            record.path,
+            flat.get("model.name", "?"),
+            flat.get("method.name", "?"),
+            flat.get("setting.name", "?"),
+            int(flat.get("seed", 0)),
+            flat,
+            metrics=record.metrics,
+            base=record.comparison.get("base"),
+            error=record.error,
+            retention=(record.retention or {}).get("rows"),
+        )
+        runs.append(run)
     _mark_swept_parameters(runs)
     return runs
 

@@ -21,7 +21,8 @@ from calm_lightning.reporting.retention import (
     retention_rows,
     write_retention_csv,
 )
-from calm_lightning.reporting.selection import Choice, calibration_key, select
+from calm_lightning.reporting.selection import Choice, calibration_key, method_order, select
+from calm_lightning.run_record import RELIABILITY_FILE
 
 COLUMNS = (
     ("sem_ece", "Sem-ECE", min),
@@ -77,7 +78,7 @@ def markdown_tables(choices: list[Choice]) -> str:
         parts.append(f"### {model} / {setting}\n")
         parts.append("| method | " + " | ".join(label for _, label, _ in columns) + " | seeds |")
         parts.append("|---|" + "---|" * (len(columns) + 1))
-        for row in sorted(rows, key=lambda c: _method_order(c.method)):
+        for row in sorted(rows, key=lambda c: method_order(c.method)):
             cells = [_cell(row, key, row is best[key]) for key, _, _ in columns]
             parts.append(f"| {row.method} | " + " | ".join(cells) + f" | {row.n_seeds} |")
         parts.append("")
@@ -87,27 +88,6 @@ def markdown_tables(choices: list[Choice]) -> str:
             "conf-ECE (Sem-ECE for open-ended QA) among all its runs is shown.\n"
         )
     return "\n".join(parts)
-
-
-_ORDER = [
-    "base",
-    "ts",
-    "ls",
-    "reg",
-    "iterate",
-    "cft",
-    "calm",
-    "elicitation",
-    "cape",
-    "ic",
-    "daca",
-    "daca_repo",
-    "dual_align",
-]
-
-
-def _method_order(method: str) -> int:
-    return _ORDER.index(method) if method in _ORDER else len(_ORDER)
 
 
 def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0.8) -> dict:
@@ -145,7 +125,8 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
     if failed:
         lines += ["", "## Failed or unfinished runs", ""]
         lines += [f"- `{r.path}`: {r.error}" for r in failed]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    markdown = "\n".join(lines) + "\n"
+    (out / "report.md").write_text(markdown)
     with (out / "results.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(
@@ -204,7 +185,13 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                 ]
             )
     grid = reliability_grid(choices, out / "reliability_grid.png")
-    return {"choices": choices, "failed": failed, "grid": grid}
+    return {
+        "choices": choices,
+        "failed": failed,
+        "grid": grid,
+        "markdown": markdown,
+        "retention": bool(retention),
+    }
 
 
 def reliability_grid(choices: list[Choice], path: Path) -> Path | None:
@@ -215,7 +202,7 @@ def reliability_grid(choices: list[Choice], path: Path) -> Path | None:
 
     rows = defaultdict(list)
     for c in choices:
-        image = c.runs[0].path / "reliability.png"
+        image = c.runs[0].path / RELIABILITY_FILE
         if image.is_file():
             rows[(c.model, c.setting)].append((c.method, image))
     if not rows:
@@ -224,7 +211,7 @@ def reliability_grid(choices: list[Choice], path: Path) -> Path | None:
     fig = Figure(figsize=(5.5 * n_cols, 2.9 * len(rows)), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     for i, (key, panels) in enumerate(sorted(rows.items())):
-        panels.sort(key=lambda p: _method_order(p[0]))
+        panels.sort(key=lambda p: method_order(p[0]))
         for j in range(n_cols):
             ax = fig.add_subplot(len(rows), n_cols, i * n_cols + j + 1)
             ax.axis("off")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from calm_lightning.reporting.collect import Run
-from calm_lightning.reporting.selection import Choice
+from calm_lightning.reporting.selection import Choice, method_order
 
 METRICS = ("acc", "acc_norm", "conf_ece")
 
@@ -72,9 +72,7 @@ def retention_rows(choices: list[Choice], runs: list[Run]) -> list[RetentionRow]
 
 
 def _order(method: str) -> tuple[int, str]:
-    from calm_lightning.reporting.render import _method_order
-
-    return _method_order(method), method
+    return method_order(method), method
 
 
 def _cell(row: RetentionRow, task: str, metric: str) -> str:

@@ -91,3 +91,26 @@ def select(
         best = min(pool, key=lambda o: o.mean[key])
         choices.append(best)
     return choices
+
+
+# The order tables list methods in.
+METHOD_ORDER = [
+    "base",
+    "ts",
+    "ls",
+    "reg",
+    "iterate",
+    "cft",
+    "calm",
+    "elicitation",
+    "cape",
+    "ic",
+    "daca",
+    "daca_repo",
+    "dual_align",
+]
+
+
+def method_order(method: str) -> int:
+    """Where a method goes in a table (the papers' order; unknown methods last)."""
+    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
