@@ -12,6 +12,12 @@ what one process computes on the concatenated batch (docs/scaling.md):
 * `gather_objects`: evaluation rows from every rank, for metrics written once by rank 0.
 
 With one process (or no process group) everything here is the identity, at no cost.
+
+Every collective of the code base is called here, and every one takes its tensors on
+`collective_device()`, the device the process group's backend reduces on (NCCL: the current
+CUDA device only; gloo: the CPU), whatever device the caller's tensors live on; results come
+back on the caller's devices. No helper takes a device argument, so no call site can forget
+or mistake it (tests/test_distributed.py enforces both rules, docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -35,33 +41,47 @@ def is_distributed() -> bool:
     return world()[1] > 1
 
 
+def collective_device() -> torch.device:
+    """The device whose tensors the process group's backend reduces: the current CUDA device
+    under NCCL (which has no CPU implementation: "No backend type associated with device type
+    cpu"; Lightning sets the current device to the process's GPU), the CPU under gloo or MPI.
+    Only called with a process group of several processes."""
+    if "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Element-wise sums over ranks of a list of tensors, in one collective (fp32 buffer)."""
+    """Element-wise sums over ranks of a list of tensors, in one collective (fp32 buffer on
+    `collective_device()`); each sum comes back on its tensor's device and dtype."""
     tensors = list(tensors)
     if not is_distributed() or not tensors:
         return tensors
     # fp32 for 16-bit tensors (a bf16 sum over ranks loses digits), fp64 kept as fp64.
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+    device = collective_device()
+    flat = torch.cat([t.detach().reshape(-1).to(device, dtype) for t in tensors])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     out, start = [], 0
     for t in tensors:
-        out.append(flat[start : start + t.numel()].view_as(t).to(t.dtype))
+        out.append(flat[start : start + t.numel()].view_as(t).to(t.device, t.dtype))
         start += t.numel()
     return out
 
 
-def any_rank(flag: bool, device=None) -> bool:
+def any_rank(flag: bool) -> bool:
     """Whether `flag` holds on any rank (every rank gets the same answer)."""
     if not is_distributed():
         return bool(flag)
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    value = torch.tensor([1.0 if flag else 0.0], device=collective_device())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item() > 0)
 
 
 def gather_objects(obj) -> list:
-    """`obj` from every rank, in rank order (picklable objects; tensors on the CPU)."""
+    """`obj` from every rank, in rank order (picklable objects; tensors on the CPU). torch
+    moves the pickled bytes to the backend's device itself (the current CUDA device under
+    NCCL), as `collective_device()` would."""
     if not is_distributed():
         return [obj]
     out: list = [None] * world()[1]
@@ -78,15 +98,16 @@ class GlobalMean:
     global mean. `weight(count)` is the factor that makes DDP's averaged gradient of
     `weight * loss` the gradient of the global mean (world size * share), for methods whose
     backward goes through DDP's own all-reduce.
+
+    Its collectives run on `collective_device()`; `share` and `weight` are on that device (a
+    0-dim CPU tensor with one process), the sums on their tensors' devices.
     """
 
-    def __init__(self, device=None) -> None:
-        self.device = device
-
     def share(self, count) -> torch.Tensor:
-        local = torch.as_tensor(count, dtype=torch.float64, device=self.device).reshape(1)
         if not is_distributed():
-            return torch.ones((), dtype=torch.float64, device=self.device)
+            return torch.ones((), dtype=torch.float64, device="cpu")
+        local = torch.as_tensor(count, dtype=torch.float64, device=collective_device())
+        local = local.reshape(1)
         total = local.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         if float(total) <= 0:
@@ -104,7 +125,9 @@ class GlobalMean:
             return tensors
         share = self.share(count)
         present = [i for i, t in enumerate(tensors) if t is not None]
-        summed = all_reduce_sum([tensors[i] * share.to(tensors[i].dtype) for i in present])
+        summed = all_reduce_sum(
+            [tensors[i] * share.to(tensors[i].device, tensors[i].dtype) for i in present]
+        )
         for i, t in zip(present, summed, strict=True):
             tensors[i] = t
         return tensors

@@ -69,6 +69,10 @@ check tiny_reg_bf16 1 "precision: bf16-mixed" $TINY method=reg trainer.precision
 check tiny_calm_ddp_1gpu 1 "DDPStrategy" $TINY method=calm trainer=ddp trainer.devices=1
 check tiny_reg_fsdp_1gpu 1 "fsdp_strategy" $TINY method=reg trainer=fsdp trainer.devices=1
 check tiny_calm_ddp_2gpu 2 "DDPStrategy" $TINY method=calm trainer=ddp trainer.devices=2
+# The single-level methods' collectives (the non-finite check, the global means) run only on
+# >= 2 processes: the 1-GPU checks above never reach NCCL with them (skipped on one GPU).
+check tiny_reg_ddp_2gpu 2 "DDPStrategy" $TINY method=reg trainer=ddp trainer.devices=2
+check tiny_reg_fsdp_2gpu 2 "fsdp_strategy" $TINY method=reg trainer=fsdp trainer.devices=2
 if [ $QUICK -eq 0 ]; then
   check smollm2_calm_bf16 1 "precision: bf16-mixed" $SMOL method=calm model.quantization=none \
     trainer.precision=bf16-mixed

@@ -10,10 +10,16 @@ Three layers, each against an independent computation:
   tiny model (CPU, gloo) against the single-process run with the batch doubled: trained
   parameters and metrics (1e-4) for calm and reg, and identical predictions files for MCQA,
   open QA and post-hoc temperature scaling; kill-and-resume under DDP.
+
+Every collective is handed tensors on the device the backend reduces (NCCL: CUDA only), which
+gloo on CPUs cannot see by itself: `install_collective_device_guard` and the
+`CollectiveDeviceGuard` callback (on every pipeline run under DDP here) emulate that rule, and
+no module but `calm_lightning/distributed.py` calls a collective.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import socket
@@ -21,6 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -82,12 +89,14 @@ def _free_port() -> int:
 
 def _toy_problem(rows: slice, held: slice):
     """theta (3,), alpha (2,); token features X (10, 3) and held-out Z (6, 3), float64."""
+    # On the CPU, the toy "module's" device, also under the guard's meta default device.
+    cpu = {"dtype": torch.float64, "device": "cpu"}
     gen = torch.Generator().manual_seed(0)
-    X = torch.randn(10, 3, generator=gen, dtype=torch.float64)
-    y = torch.randn(10, generator=gen, dtype=torch.float64)
-    Z = torch.randn(6, 3, generator=gen, dtype=torch.float64)
-    theta = torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64, requires_grad=True)
-    alpha = torch.tensor([0.5, 0.1], dtype=torch.float64, requires_grad=True)
+    X = torch.randn(10, 3, generator=gen, **cpu)
+    y = torch.randn(10, generator=gen, **cpu)
+    Z = torch.randn(6, 3, generator=gen, **cpu)
+    theta = torch.tensor([0.3, -0.2, 0.1], **cpu, requires_grad=True)
+    alpha = torch.tensor([0.5, 0.1], **cpu, requires_grad=True)
     X, y, Z = X[rows], y[rows], Z[held]
 
     def lower(surrogate, track):
@@ -170,6 +179,227 @@ def test_two_processes_give_the_single_process_bilevel_gradients(tmp_path):
     assert np.mean([r["weighted"] for r in ranks]) == pytest.approx(1.3)
 
 
+# ----- collectives take their tensors on the backend's device -----
+# NCCL reduces CUDA tensors only: a tensor made without a device lands on the CPU, and the
+# collective fails ("No backend type associated with device type cpu"). gloo reduces CPU
+# tensors, so the tests turn the setting around: the module stays on the CPU, the backend's
+# device, while a tensor the project's code makes without a device (in training steps, and in
+# the helper calls below) lands on the meta device; the guard lets a collective see CPU
+# tensors only.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+)  # all_gather_object and broadcast_object_list go through all_gather and broadcast
+BACKEND_DEVICE = torch.device("cpu")  # gloo's
+
+
+def _tensors(values):
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
+
+
+def install_collective_device_guard(patch=setattr) -> None:
+    """Make every tensor collective of torch.distributed refuse a tensor on another device
+    than `BACKEND_DEVICE`, as NCCL refuses CPU tensors. For the whole process (spawned
+    workers, the pipeline's processes); `patch=monkeypatch.setattr` for a test's duration."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for name in COLLECTIVES:
+        original = getattr(c10d, name)
+        if getattr(original, "device_guard", False):
+            continue
+
+        def guarded(*args, _original=original, _name=name, **kwargs):
+            for tensor in _tensors([*args, *kwargs.values()]):
+                if tensor.device != BACKEND_DEVICE:
+                    raise RuntimeError(
+                        f"collective device guard: torch.distributed.{_name} was handed a "
+                        f"tensor on {tensor.device}, the backend reduces {BACKEND_DEVICE} "
+                        "tensors only (NCCL: 'No backend type associated with device type "
+                        f"{tensor.device.type}')"
+                    )
+            return _original(*args, **kwargs)
+
+        guarded.device_guard = True
+        patch(c10d, name, guarded)  # what torch's own object collectives call
+        patch(torch.distributed, name, guarded)  # what `dist.<name>` resolves to
+
+
+# torch's factories: made without a device, their tensor is on the default device
+FACTORIES = {
+    *(torch.tensor, torch.as_tensor, torch.asarray, torch.scalar_tensor, torch.empty),
+    *(torch.zeros, torch.ones, torch.full, torch.arange, torch.linspace, torch.logspace),
+    *(torch.eye, torch.rand, torch.randn, torch.randint, torch.randperm),
+}
+
+
+def _project_caller() -> bool:
+    """Whether the torch call being handled comes from calm_lightning's code."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch"):
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").startswith("calm_lightning")
+
+
+class ProjectTensorsOnMeta(torch.overrides.TorchFunctionMode):
+    """While active, a tensor that calm_lightning's own code makes without a device is made on
+    the meta device, as it is made on the CPU when the module is on a GPU (other libraries'
+    tensors, e.g. Lightning's logged values and torch.optim's step counts, are left alone)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        copies = func in (torch.tensor, torch.as_tensor, torch.asarray) and (
+            args and isinstance(args[0], torch.Tensor)  # keeps its own device
+        )
+        defaulted = func in FACTORIES and kwargs.get("device") is None and not copies
+        if defaulted and _project_caller():
+            kwargs["device"] = torch.device("meta")
+        return func(*args, **kwargs)
+
+
+class CollectiveDeviceGuard(L.Callback):
+    """`+callbacks.device_guard._target_=tests.test_distributed.CollectiveDeviceGuard`: the
+    device guard in every process of a pipeline run, the module's training steps run under
+    `ProjectTensorsOnMeta`."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        install_collective_device_guard()
+        step = pl_module.training_step
+        if getattr(step, "device_guard", False):
+            return
+
+        def training_step(*args, **kwargs):
+            with ProjectTensorsOnMeta():
+                return step(*args, **kwargs)
+
+        training_step.device_guard = True
+        pl_module.training_step = training_step
+
+
+def _guarded_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    install_collective_device_guard()
+    try:
+        cpu = torch.device("cpu")
+        count = (7, 3)[rank]
+        local = torch.tensor(float(rank + 1), dtype=torch.float64, device=cpu)
+        grads = [torch.full((2,), float(rank + 1), device=cpu), None]
+        half = torch.ones(3, dtype=torch.bfloat16, device=cpu)
+        with ProjectTensorsOnMeta():  # the helpers' tensors made without a device: on meta
+            mean = GlobalMean()
+            share, weight = mean.share(count), mean.weight(count)
+            value = mean.value(local, count)
+            gradients = mean.gradients(grads, count)
+            both = mean.both(local, grads, count)
+            sums = distributed.all_reduce_sum([local, half])
+            out_tensors = [share, weight, value, gradients[0], both[0], both[1][0], *sums]
+            result = {
+                "devices": sorted({str(t.device) for t in out_tensors}),
+                "dtypes": [str(t.dtype) for t in sums],
+                "share": share.item(),
+                "weight": weight.item(),
+                "value": value.item(),
+                "gradient": gradients[0].tolist(),
+                "none_kept": gradients[1] is None and both[1][1] is None,
+                "sums": [t.tolist() for t in sums],
+                "any": [distributed.any_rank(rank == 1), distributed.any_rank(False)],
+                "gathered": distributed.gather_objects({"rank": rank}),
+                "calm": _bilevel(*SHARDS[rank], GlobalMean(), inner_optimizer="adam"),
+            }
+        Path(out, f"{rank}.json").write_text(json.dumps(result))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_every_collective_takes_its_tensors_on_the_backends_device(tmp_path):
+    # The helpers under the guard, their tensors made under a meta default device: any tensor
+    # a collective is handed off the backend's device (the CPU for gloo) fails, as on NCCL.
+    mp.spawn(_guarded_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    single = _bilevel(slice(0, 10), slice(0, 6), inner_optimizer="adam")
+    for rank, got in enumerate(ranks):
+        assert got["devices"] == ["cpu"]  # results on the callers' devices
+        assert got["dtypes"] == ["torch.float64", "torch.bfloat16"]
+        assert got["share"] == pytest.approx((0.7, 0.3)[rank])
+        assert got["weight"] == pytest.approx((1.4, 0.6)[rank])
+        assert got["value"] == pytest.approx(1.3)
+        assert got["gradient"] == pytest.approx([1.3, 1.3]) and got["none_kept"]
+        assert got["sums"] == [pytest.approx(3.0), [2.0, 2.0, 2.0]]
+        assert got["any"] == [True, False]
+        assert got["gathered"] == [{"rank": 0}, {"rank": 1}]
+        assert got["calm"]["g"] == pytest.approx(single["g"], rel=1e-12)
+
+
+def test_the_device_guard_refuses_a_tensor_off_the_backends_device(monkeypatch):
+    # In-process (no group is needed to refuse), and only the project's own tensors go to meta.
+    install_collective_device_guard(monkeypatch.setattr)
+    with pytest.raises(RuntimeError, match="device type meta"):
+        torch.distributed.all_reduce(torch.ones(1, device="meta"))
+    project = {"__name__": "calm_lightning.stand_in", "torch": torch}
+    exec("def make(data):\n    return torch.ones(1), torch.as_tensor(data)", project)
+    cpu = torch.zeros(2)
+    with ProjectTensorsOnMeta():
+        assert torch.ones(1).device == BACKEND_DEVICE  # made here, in a test
+        made, kept = project["make"](cpu)
+    assert made.device.type == "meta" and kept is cpu
+
+
+def _collective_calls(path: Path) -> list[str]:
+    """`torch.distributed` collectives (or its process-group calls) called in one file."""
+    names = {*COLLECTIVES, "all_gather_object", "broadcast_object_list", "barrier"}
+    names |= {"gather_object", "scatter_object_list", "send", "recv", "isend", "irecv"}
+    tree = ast.parse(path.read_text())
+    aliases = {"torch.distributed", "torch.distributed.distributed_c10d"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name in aliases and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "torch.distributed"
+        ):
+            found += [
+                f"{path.name}: from {node.module} import {a.name}"
+                for a in node.names
+                if a.name in names
+            ]
+    for node in ast.walk(tree):
+        is_call = isinstance(node, ast.Attribute) and node.attr in names
+        if is_call and ast.unparse(node.value) in aliases:
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_distributed_module_calls_collectives():
+    # So every collective goes through a helper that puts its tensors on collective_device().
+    package = ROOT / "calm_lightning"
+    calls = {p: _collective_calls(p) for p in sorted(package.rglob("*.py"))}
+    assert calls.pop(package / "distributed.py")  # the helpers themselves
+    assert not [c for found in calls.values() for c in found]
+
+
+def test_a_training_step_hands_collectives_the_backends_device(tmp_path):
+    # The bug this guards against: reg's non-finite check all-reduced a tensor made on the
+    # default device (the CPU), which NCCL refuses at the first step under DDP and FSDP.
+    overrides = [*TINY, "method=reg", "setting=demo", "setting.max_length=64"]
+    _cli(tmp_path, *overrides, "trainer.max_steps=2", "setting.test.limit=4", *DDP)
+    assert (tmp_path / "metrics.json").exists()
+
+
 # ----- the pipeline on two CPU processes -----
 TINY = [
     "model=tiny",
@@ -178,7 +408,9 @@ TINY = [
     "trainer.enable_progress_bar=false",
     "logger=none",
 ]
-DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+# Every pipeline run on two processes runs under the collective device guard.
+GUARD = "+callbacks.device_guard._target_=tests.test_distributed.CollectiveDeviceGuard"
+DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", GUARD]
 
 
 def _cli(out: Path, *overrides: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
@@ -382,6 +614,8 @@ def test_gpu_check_script_lists_checks_that_compose_and_pass_requirements(compos
     checks = dict(line.split(": ", 1) for line in done.stdout.splitlines())
     for name in ("tiny_calm_bf16", "tiny_calm_ddp_1gpu", "tiny_reg_fsdp_1gpu", "smollm2_calm_nf4"):
         assert name in checks
+    # the single-level methods' collectives under NCCL (they run on >= 2 processes only)
+    assert {"tiny_reg_ddp_2gpu", "tiny_reg_fsdp_2gpu"} <= checks.keys()
     for name, command in checks.items():
         args = command.split(" -m calm_lightning.run ", 1)[1].split()
         overrides = [a for a in args if not a.startswith("hydra.run.dir=")]

@@ -10,10 +10,12 @@ from typing import ClassVar
 
 import torch
 
+from calm_lightning.config_checks import Number
 from calm_lightning.distributed import GlobalMean, any_rank, gather_objects, world
 from calm_lightning.errors import CalmLightningError, ConfigError
 from calm_lightning.methods.base import CalibrationMethod
 from calm_lightning.methods.objectives import predictions
+from calm_lightning.run_record import LAST_GOOD_CHECKPOINT, checkpoint_file
 
 
 class NonFiniteError(CalmLightningError):
@@ -77,6 +79,11 @@ class TrainingMethod(CalibrationMethod):
     # With cloze scoring, MCQA training data trains on the answer text and option-level
     # objectives read the cloze option distribution (`resolve_mode`, objectives.py).
     supports_cloze = True
+    config_rules: ClassVar[dict] = {
+        "warmup_ratio": Number(minimum=0, maximum=1),
+        "min_lr_ratio": Number(minimum=0, maximum=1),
+        "weight_decay": Number(minimum=0),
+    }
 
     def calibrate(self, trainer, datamodule, ckpt_path: str | None = None) -> dict:
         trainer.fit(self, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -104,6 +111,9 @@ class TrainingMethod(CalibrationMethod):
         **evaluation,
     ) -> None:
         super().__init__(model, tokenizer, **evaluation)
+        self.check_arguments(
+            warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay
+        )
         # Checkpoints omit the frozen base weights, so loading them must not be strict.
         self.strict_loading = False
         self.outer_step = 0
@@ -179,7 +189,7 @@ class TrainingMethod(CalibrationMethod):
         mean: world size x this rank's share of the items."""
         if world()[1] == 1:
             return term
-        return term * GlobalMean(term.device).weight(count)
+        return term * GlobalMean().weight(count).to(term.device)
 
     def distributed_sum(self, term: torch.Tensor) -> torch.Tensor:
         """`term`, a sum over this rank's batch, weighted so that DDP's average is the global
@@ -245,9 +255,8 @@ class TrainingMethod(CalibrationMethod):
         trainer = getattr(self, "_trainer", None)
         if trainer is None:
             return None
-        from pathlib import Path
 
-        path = Path(trainer.default_root_dir) / "checkpoints" / "last-good.ckpt"
+        path = checkpoint_file(trainer.default_root_dir, LAST_GOOD_CHECKPOINT)
         path.parent.mkdir(parents=True, exist_ok=True)
         trainer.save_checkpoint(str(path))
         return str(path)
