@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from calm_lightning.errors import ExportError, run_command
+from calm_lightning.errors import ConfigError, ExportError, run_command
 from calm_lightning.logits_processor import CALIBRATION_FILE
 from calm_lightning.models.calibrated_lm import ADAPTER_DIR, read_calibration_record
 from calm_lightning.models.logit_adjustment import HEAD_FILE
@@ -177,22 +177,15 @@ def inspect_run(run_dir: str | Path, exporting: bool = True) -> RunToExport:
 
 
 def _method_class(cfg, method: str) -> type:
-    from hydra.utils import get_class
-    from omegaconf import OmegaConf
+    from calm_lightning.methods.base import method_class
 
-    from calm_lightning.methods.base import CalibrationMethod
-
-    target = OmegaConf.select(cfg, "method.module._target_")
     try:
-        cls = get_class(str(target))
-        if not (isinstance(cls, type) and issubclass(cls, CalibrationMethod)):
-            raise TypeError(f"{cls!r} is not a CalibrationMethod")
-    except Exception as err:  # ImportError, AttributeError, TypeError: not one of ours
+        return method_class(cfg)
+    except ConfigError as err:
         raise ExportError(
-            f"unknown method {method!r} (method.module._target_={target}): not a method of "
-            f"this project, so the export cannot tell what its run changed ({err})"
+            f"unknown method {method!r}: not a method of this project, so the export cannot "
+            f"tell what its run changed ({err})"
         ) from err
-    return cls
 
 
 def _nothing_to_export(cls, method: str, cfg) -> str:

@@ -11,10 +11,9 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
-from calm_lightning.evaluation.results import TABLE_COLUMNS
+from calm_lightning.metrics.names import PERCENT, run_table_columns
 from calm_lightning.run_record import BASE_DIR, DATA_SUMMARY_FILE, RELIABILITY_FILE
 
-PERCENT = ("accuracy", "acc_norm", "unattempted")
 # The run's diagrams (path in the run directory) -> their names in the exported folder.
 DIAGRAMS = {
     RELIABILITY_FILE: "reliability.png",
@@ -144,7 +143,7 @@ def _cell(key: str, value) -> str:
 
 def _evaluation(run, diagrams: dict) -> str:
     rows = run.metrics.get("comparison") or {run.method: run.metrics.get("metrics", {})}
-    columns = [(k, label) for k, label in TABLE_COLUMNS if any(k in m for m in rows.values())]
+    columns = run_table_columns(rows)
     n = run.metrics.get("metrics", {}).get("n")
     lines = [
         "## Evaluation\n",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from calm_lightning.config_checks import check_config, check_world_size
@@ -25,7 +25,7 @@ from calm_lightning.evaluation.results import format_table, run_meta
 from calm_lightning.evaluation.retention import RetentionStep
 from calm_lightning.loggers import build_loggers, finish_loggers, publish_results
 from calm_lightning.method_settings import applied_method_setting, log_method_setting
-from calm_lightning.methods.base import CalibrationMethod
+from calm_lightning.methods.base import CalibrationMethod, method_class
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.loading import LoadedModel, load_language_model
 from calm_lightning.run_record import (
@@ -48,14 +48,6 @@ from calm_lightning.timing import Stopwatch
 # checkpoint at outer step k holds the parameters and counter after step k, which is what a
 # resume needs. Lightning warns that it cannot save a pre-update state; that is not wanted.
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-
-
-def method_class(cfg: DictConfig) -> type[CalibrationMethod]:
-    """The class `method.module._target_` names (its requirements are class attributes)."""
-    cls = get_class(cfg.method.module._target_)
-    if not (isinstance(cls, type) and issubclass(cls, CalibrationMethod)):
-        raise ConfigError(f"method.module._target_={cls!r} is not a CalibrationMethod")
-    return cls
 
 
 def build_datamodule(cfg: DictConfig, tokenizer=None):

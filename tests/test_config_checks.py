@@ -123,7 +123,7 @@ def test_every_shipped_method_config_passes_its_rules(compose, tmp_path):
     from omegaconf import OmegaConf
 
     from calm_lightning.config_checks import evaluation_rules, head_rules
-    from calm_lightning.pipeline import method_class
+    from calm_lightning.methods.base import method_class
 
     conf = Path(__file__).resolve().parents[1] / "conf" / "method"
     methods = sorted(p.stem for p in conf.glob("*.yaml"))

@@ -5,22 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from calm_lightning.metrics.names import PERCENT, run_table_columns
 from calm_lightning.metrics.reliability import plot_reliability_diagram
 from calm_lightning.run_record import Evaluation
-
-TABLE_COLUMNS = (
-    ("accuracy", "acc"),
-    ("acc_norm", "acc_norm"),  # cloze scoring: lm-eval's length-normalised accuracy
-    ("sem_ece", "Sem-ECE"),
-    ("mean_confidence", "mean conf"),
-    ("unattempted", "no answer"),
-    ("conf_ece", "conf-ECE"),
-    ("cw_ece", "cw-ECE"),
-    ("mce", "MCE"),
-    ("ace", "ACE"),
-    ("brier", "Brier"),
-    ("nll", "NLL"),
-)
 
 
 def run_meta(cfg) -> dict:
@@ -82,7 +69,7 @@ def plot_mcqa_reliability(predictions, path: Path, title: str = "") -> None:
 def format_table(rows: dict[str, dict]) -> str:
     """A fixed-width table, one row per method (name -> metrics dict); a column appears when
     some row has that metric (MCQA and open-ended QA report different ones)."""
-    columns = [(k, label) for k, label in TABLE_COLUMNS if any(k in m for m in rows.values())]
+    columns = run_table_columns(rows)
     width = max([len("method")] + [len(name) for name in rows])
     header = "method".ljust(width) + "".join(f"{label:>10}" for _, label in columns)
     lines = [header, "-" * len(header)]
@@ -92,7 +79,7 @@ def format_table(rows: dict[str, dict]) -> str:
             value = metrics.get(key)
             if value is None:
                 cells.append(f"{'-':>10}")
-            elif key in ("accuracy", "acc_norm", "unattempted"):
+            elif key in PERCENT:
                 cells.append(f"{100 * value:>9.2f}%")
             else:
                 cells.append(f"{value:>10.4f}")

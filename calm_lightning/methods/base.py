@@ -372,3 +372,19 @@ class BaseMethod(CalibrationMethod):
     """The aligned model as it is (the paper's DPO / RLHF row): no training."""
 
     supports_cloze = True
+
+
+def method_class(cfg) -> type[CalibrationMethod]:
+    """The class a run config's `method.module._target_` names (its requirements are class
+    attributes); a target that is not one of the project's methods is a ConfigError."""
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    target = OmegaConf.select(cfg, "method.module._target_")
+    try:
+        cls = get_class(str(target))
+    except Exception as err:  # ImportError, AttributeError: no such class
+        raise ConfigError(f"method.module._target_={target}: no such class ({err})") from err
+    if not (isinstance(cls, type) and issubclass(cls, CalibrationMethod)):
+        raise ConfigError(f"method.module._target_={target} is not a CalibrationMethod")
+    return cls

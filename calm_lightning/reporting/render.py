@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from calm_lightning.metrics.names import BY_KEY, report_metrics, results_csv_keys
 from calm_lightning.reporting.collect import Run
 from calm_lightning.reporting.retention import (
     retention_markdown,
@@ -23,30 +24,6 @@ from calm_lightning.reporting.retention import (
 )
 from calm_lightning.reporting.selection import Choice, calibration_key, method_order, select
 from calm_lightning.run_record import RELIABILITY_FILE
-
-COLUMNS = (
-    ("sem_ece", "Sem-ECE", min),
-    ("conf_ece", "conf-ECE", min),
-    ("cw_ece", "cw-ECE", min),
-    ("mce", "MCE", min),
-    ("ace", "ACE", min),
-    ("avg_ce", "AvgCE", min),
-    ("brier", "Brier", min),
-    ("accuracy", "Acc.", max),
-)
-# `ace` is the adaptive calibration error (Nixon et al.), `avg_ce` netcal's average one.
-RESULT_METRICS = (
-    "accuracy",
-    "sem_ece",
-    "conf_ece",
-    "cw_ece",
-    "mce",
-    "ace",
-    "avg_ce",
-    "brier",
-    "nll",
-)
-SELECTED_METRICS = ("accuracy", "sem_ece", "conf_ece", "cw_ece", "mce", "ace", "avg_ce", "brier")
 
 
 def _cell(choice: Choice, key: str, bold: bool) -> str:
@@ -68,18 +45,17 @@ def markdown_tables(choices: list[Choice]) -> str:
     parts = []
     for (model, setting), rows in sorted(by_table.items()):
         # Only the metrics some row reports (MCQA and open-ended QA report different ones).
-        columns = [c for c in COLUMNS if any(c[0] in row.mean for row in rows)]
-        best = {
-            key: pick(
-                rows, key=lambda c, k=key, p=pick: c.mean.get(k, np.inf if p is min else -np.inf)
-            )
-            for key, _, pick in columns
-        }
+        columns = [m for m in report_metrics() if any(m.key in row.mean for row in rows)]
+        best = {}
+        for metric in columns:
+            worst = np.inf if metric.better == "lower" else -np.inf
+            pick = min if metric.better == "lower" else max
+            best[metric.key] = pick(rows, key=lambda c, k=metric.key, w=worst: c.mean.get(k, w))
         parts.append(f"### {model} / {setting}\n")
-        parts.append("| method | " + " | ".join(label for _, label, _ in columns) + " | seeds |")
+        parts.append("| method | " + " | ".join(m.column for m in columns) + " | seeds |")
         parts.append("|---|" + "---|" * (len(columns) + 1))
         for row in sorted(rows, key=lambda c: method_order(c.method)):
-            cells = [_cell(row, key, row is best[key]) for key, _, _ in columns]
+            cells = [_cell(row, m.key, row is best[m.key]) for m in columns]
             parts.append(f"| {row.method} | " + " | ".join(cells) + f" | {row.n_seeds} |")
         parts.append("")
     if any(not c.feasible for c in choices):
@@ -108,7 +84,8 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
         markdown_tables(choices),
         "## Selected hyper-parameters",
         "",
-        "| model | setting | method | hyper-parameters | selected on | value | Acc. |",
+        f"| model | setting | method | hyper-parameters | selected on | value | "
+        f"{BY_KEY['accuracy'].column} |",
         "|---|---|---|---|---|---|---|",
     ]
     for c in choices:
@@ -138,7 +115,7 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                 "params",
                 "path",
                 "status",
-                *RESULT_METRICS,
+                *results_csv_keys(),
             ]
         )
         for r in runs:
@@ -152,7 +129,7 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                     json.dumps(r.params, default=str),
                     str(r.path),
                     "ok" if r.metrics else f"failed: {r.error}",
-                    *[m.get(k, "") for k in RESULT_METRICS],
+                    *[m.get(k, "") for k in results_csv_keys()],
                 ]
             )
     with (out / "selected.csv").open("w", newline="") as handle:
@@ -165,7 +142,7 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                 "params",
                 "n_seeds",
                 "feasible",
-                *[f"{k}{suffix}" for k in SELECTED_METRICS for suffix in ("", "_std")],
+                *[f"{m.key}{suffix}" for m in report_metrics() for suffix in ("", "_std")],
             ]
         )
         for c in choices:
@@ -179,8 +156,8 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                     c.feasible,
                     *[
                         value
-                        for k in SELECTED_METRICS
-                        for value in (c.mean.get(k, ""), c.std.get(k, ""))
+                        for m in report_metrics()
+                        for value in (c.mean.get(m.key, ""), c.std.get(m.key, ""))
                     ],
                 ]
             )
