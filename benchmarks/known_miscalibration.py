@@ -122,7 +122,7 @@ def effective_temperature(run_dir: Path, payload: dict, tokenizer, test_records)
         return None
     from safetensors.torch import load_file
 
-    from calm_lightning.evaluation.cloze import encode_question
+    from calm_lightning.data.cloze_batches import encode_question
 
     d = load_file(str(head_file))["scale"]
     if d.numel() == 1:

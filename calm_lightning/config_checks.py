@@ -121,7 +121,8 @@ def merged_rules(cls) -> dict:
 
 def evaluation_rules() -> dict:
     """The `evaluation` block's rules (the choices live beside the code that uses them)."""
-    from calm_lightning.evaluation.cloze import NORMALIZE, PROMPTS
+    from calm_lightning.data.cloze_batches import PROMPTS
+    from calm_lightning.evaluation.cloze import NORMALIZE
     from calm_lightning.evaluation.mcqa import STYLES
     from calm_lightning.evaluation.openqa import CONFIDENCES
     from calm_lightning.methods.base import SCORINGS

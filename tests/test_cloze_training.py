@@ -12,16 +12,12 @@ import json
 import pytest
 import torch
 
+from calm_lightning.data.cloze_batches import ClozeTrainingCollator, encode_question
 from calm_lightning.data.datamodule import CalibrationDataModule
 from calm_lightning.data.records import MCQARecord
 from calm_lightning.data.sources import EmbeddedDemoSource
 from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.cloze import (
-    ClozeTrainingCollator,
-    encode_question,
-    score_cloze,
-    score_cloze_separate,
-)
+from calm_lightning.evaluation.cloze import score_cloze, score_cloze_separate
 from calm_lightning.methods.calm import CALM
 from calm_lightning.methods.objectives import cloze_predictions, mean_entropy
 from calm_lightning.methods.supervised import Regularization

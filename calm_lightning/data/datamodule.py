@@ -134,7 +134,7 @@ class CalibrationDataModule(L.LightningDataModule):
     def cloze_collator(self):
         """MCQA training batches in the cloze format (answer text + all K option rows)."""
         if self._cloze_collator is None:
-            from calm_lightning.evaluation.cloze import ClozeTrainingCollator
+            from calm_lightning.data.cloze_batches import ClozeTrainingCollator
 
             self._cloze_collator = ClozeTrainingCollator(
                 self._require_tokenizer(), self.cloze_prompt, self.max_length
@@ -149,7 +149,7 @@ class CalibrationDataModule(L.LightningDataModule):
         if self.mcqa_format == "cloze" and records and isinstance(records[0], MCQARecord):
             examples, collate = records, self.cloze_collator
             if fresh:
-                from calm_lightning.evaluation.cloze import ClozeTrainingCollator
+                from calm_lightning.data.cloze_batches import ClozeTrainingCollator
 
                 collate = ClozeTrainingCollator(
                     self._require_tokenizer(), self.cloze_prompt, self.max_length

@@ -11,23 +11,16 @@ kept here as `score_cloze_separate` for the benchmark and the tests).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
-from scipy.interpolate import CubicSpline
-from scipy.optimize import minimize_scalar
-from scipy.special import logsumexp
 
-from calm_lightning.calibrators.temperature import BOUNDS, TemperatureFit
-from calm_lightning.data.collate import IGNORE_INDEX, pad_left
-from calm_lightning.data.prompts import render_conversation
+from calm_lightning.data.cloze_batches import PROMPTS, encode_batch, separate_rows
+from calm_lightning.data.collate import pad_left
 from calm_lightning.evaluation.sampling import _cache_names, prefill_repeated
 from calm_lightning.models.calibrated_lm import positions_from_mask
 
 NORMALIZE = ("none", "tokens", "chars")
-PROMPTS = ("chat", "plain")
 
 
 @dataclass(frozen=True)
@@ -70,44 +63,6 @@ class ClozeScores:
         return self.logits("chars").argmax(-1)
 
 
-def _render(tokenizer, question: str, option: str, prompt: str) -> tuple[str, str]:
-    if prompt == "chat":
-        full_prompt, response = render_conversation(tokenizer, question, option)
-        # The option text is the start of the assistant turn, without the end-of-turn marker.
-        at = response.find(option)
-        return full_prompt + (response[:at] if at > 0 else ""), option
-    return f"Question: {question}\nAnswer:", f" {option}"
-
-
-def encode_question(
-    tokenizer, question: str, options, prompt: str = "chat", max_length: int | None = None
-) -> tuple[list[int], list[list[int]], list[int]]:
-    """(prompt ids, continuation ids per option, option lengths in characters).
-
-    As lm-eval does, the continuation is what encoding prompt + option adds after the prompt's
-    own encoding (so a merge across the boundary stays in the option); a prompt longer than
-    `max_length` minus the longest option loses tokens from the left."""
-    conts, chars, context_ids = [], [], None
-    for option in options:
-        context, cont = _render(tokenizer, question, option, prompt)
-        ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
-        whole = tokenizer(context + cont, add_special_tokens=False)["input_ids"]
-        if whole[: len(ctx)] == ctx and len(whole) > len(ctx):
-            ids = whole[len(ctx) :]
-        else:
-            ids = tokenizer(cont, add_special_tokens=False)["input_ids"]
-        if context_ids is None:
-            context_ids = ctx
-        conts.append(ids)
-        # lm-eval's acc_norm divides by the length of the choice text, not of the
-        # continuation string (which has a leading space in the plain prompt).
-        chars.append(len(option))
-    if max_length is not None:
-        room = max(1, max_length - max(len(c) for c in conts))
-        context_ids = context_ids[-room:]
-    return context_ids, conts, chars
-
-
 def _continuation_loglik(model, logits: torch.Tensor, targets: torch.Tensor, mask) -> torch.Tensor:
     """Sum over positions of log softmax(head(logits))[target] where mask is 1 (rows (N,))."""
     adjusted = model.adjust(logits)  # fp32, head over the full vocabulary
@@ -115,18 +70,7 @@ def _continuation_loglik(model, logits: torch.Tensor, targets: torch.Tensor, mas
     return (logp.double() * mask).sum(-1)
 
 
-def _encode_batch(tokenizer, questions, choices, prompt, max_length):
-    encoded = [
-        encode_question(tokenizer, q, opts, prompt, max_length)
-        for q, opts in zip(questions, choices, strict=True)
-    ]
-    k = len(choices[0])
-    if any(len(opts) != k for opts in choices):
-        raise ValueError("cloze scoring needs the same number of options in every question")
-    return encoded, k
-
-
-def _shared_prompt_logits(model, tokenizer, encoded, k: int):
+def shared_prompt_logits(model, tokenizer, encoded, k: int):
     """Raw logits (B*K, C, V) predicting each continuation token, its targets and mask, with
     each prompt encoded once and its KV cache repeated for its K options."""
     device = next(model.parameters()).device
@@ -167,38 +111,13 @@ def score_cloze(
     max_length: int | None = None,
 ) -> ClozeScores:
     """Shared-prompt scores: each prompt encoded once, its KV cache reused by its K options."""
-    encoded, k = _encode_batch(tokenizer, questions, choices, prompt, max_length)
-    logits, cont_ids, cont_mask = _shared_prompt_logits(model, tokenizer, encoded, k)
+    encoded, k = encode_batch(tokenizer, questions, choices, prompt, max_length)
+    logits, cont_ids, cont_mask = shared_prompt_logits(model, tokenizer, encoded, k)
     loglik = _continuation_loglik(model, logits, cont_ids, cont_mask)
-    return _scores(loglik, encoded, k)
+    return option_scores(loglik, encoded, k)
 
 
-@torch.no_grad()
-def temperature_terms(
-    model,
-    tokenizer,
-    questions: list[str],
-    choices: list,
-    scales: torch.Tensor,
-    prompt: str = "chat",
-    max_length: int | None = None,
-) -> tuple[ClozeScores, torch.Tensor]:
-    """What a temperature fit needs, on the model's own logits z (no head): with d = 1 / T the
-    option log-likelihood is d * sum_t z_t[y_t] - sum_t logsumexp(d * z_t). Returns the scores
-    at d = 1 with `loglik` = sum_t z_t[y_t], and the (B, K, G) sums of logsumexp at `scales`."""
-    encoded, k = _encode_batch(tokenizer, questions, choices, prompt, max_length)
-    logits, cont_ids, cont_mask = _shared_prompt_logits(model, tokenizer, encoded, k)
-    logits = logits.float()
-    mask = cont_mask.double()
-    target = (logits.gather(-1, cont_ids[..., None]).squeeze(-1).double() * mask).sum(-1)
-    lse = torch.stack(
-        [(torch.logsumexp(logits * float(d), dim=-1).double() * mask).sum(-1) for d in scales],
-        dim=-1,
-    )
-    return _scores(target, encoded, k), lse.cpu().view(len(encoded), k, len(scales))
-
-
-def _scores(loglik: torch.Tensor, encoded, k: int) -> ClozeScores:
+def option_scores(loglik: torch.Tensor, encoded, k: int) -> ClozeScores:
     n_tokens = [len(c) for _, cs, _ in encoded for c in cs]
     n_chars = [n for _, _, ns in encoded for n in ns]
     shape = (len(encoded), k)
@@ -207,29 +126,6 @@ def _scores(loglik: torch.Tensor, encoded, k: int) -> ClozeScores:
         n_tokens=torch.tensor(n_tokens, dtype=torch.float64).view(shape),
         n_chars=torch.tensor(n_chars, dtype=torch.float64).view(shape),
     )
-
-
-def separate_rows(encoded, pad_id: int) -> dict[str, torch.Tensor]:
-    """lm-eval's layout of a batch: one left-padded row of prompt + option per option (B * K
-    rows), and each row's continuation targets right-aligned with their mask (continuations
-    end every row under left padding)."""
-    rows = [ctx + c for ctx, cs, _ in encoded for c in cs]
-    conts = [c for _, cs, _ in encoded for c in cs]
-    width = max(len(c) for c in conts)
-    ids, mask = pad_left(rows, pad_id)
-    targets = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    cmask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, c in enumerate(conts):
-        targets[i, width - len(c) :] = torch.tensor(c, dtype=torch.long)
-        cmask[i, width - len(c) :] = 1
-    return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "targets": targets,
-        "target_mask": cmask,
-        "n_tokens": torch.tensor([len(c) for c in conts], dtype=torch.float64),
-        "n_chars": torch.tensor([n for _, _, ns in encoded for n in ns], dtype=torch.float64),
-    }
 
 
 def separate_loglik(model, rows: dict[str, torch.Tensor], params=None) -> torch.Tensor:
@@ -254,103 +150,7 @@ def score_cloze_separate(
 ) -> ClozeScores:
     """lm-eval's way: one full forward of prompt + option per option (all rows of the batch in
     one left-padded forward), logits kept only for the continuation positions."""
-    encoded, k = _encode_batch(tokenizer, questions, choices, prompt, max_length)
+    encoded, k = encode_batch(tokenizer, questions, choices, prompt, max_length)
     device = next(model.parameters()).device
     rows = {k_: v.to(device) for k_, v in separate_rows(encoded, tokenizer.pad_token_id).items()}
-    return _scores(separate_loglik(model, rows), encoded, k)
-
-
-def temperature_scales(bounds: tuple[float, float], n: int = 49) -> torch.Tensor:
-    """Log-spaced scales d = 1 / T covering the temperature search bounds."""
-    lo, hi = bounds
-    return torch.logspace(math.log10(1.0 / hi), math.log10(1.0 / lo), n, dtype=torch.float64)
-
-
-def fit_cloze_temperature(
-    scores: ClozeScores,
-    lse: torch.Tensor,
-    labels: torch.Tensor,
-    scales: torch.Tensor,
-    normalize: str = "none",
-    bounds: tuple[float, float] = BOUNDS,
-    xatol: float = 1e-4,
-) -> TemperatureFit:
-    """T minimising the NLL of the cloze option distribution scored through a scalar head
-    d = 1 / T, exactly as evaluation scores it (the head acts on every continuation token's
-    logits, not on the summed log-likelihoods). The per-option sums of logsumexp are known at
-    the grid `scales` and interpolated in log d by a cubic spline (smooth and convex in d)."""
-    spline = CubicSpline(np.log(scales.numpy()), lse.numpy(), axis=-1)
-    target = scores.loglik.numpy()
-    lengths = {"none": None, "tokens": scores.n_tokens, "chars": scores.n_chars}[normalize]
-    lengths = None if lengths is None else lengths.clamp(min=1).numpy()
-    y = np.asarray(labels, dtype=np.int64)
-
-    def nll(temperature: float) -> float:
-        d = 1.0 / temperature
-        logits = d * target - spline(math.log(d))
-        if lengths is not None:
-            logits = logits / lengths
-        logp = logits - logsumexp(logits, axis=1, keepdims=True)
-        return float(-logp[np.arange(len(y)), y].mean())
-
-    result = minimize_scalar(nll, bounds=bounds, method="bounded", options={"xatol": xatol})
-    temperature = float(result.x)
-    at_bound = bool(np.isclose(temperature, list(bounds), atol=1e-3).any())
-    return TemperatureFit(
-        temperature=temperature,
-        nll_before=nll(1.0),
-        nll_after=float(result.fun),
-        at_bound=at_bound,
-        n=len(y),
-    )
-
-
-@dataclass
-class ClozeTrainingCollator:
-    """MCQA training (or held-out) batches in the cloze format, so training sees the answer the
-    way cloze evaluation scores it:
-
-    * `input_ids` / `attention_mask` / `labels`: prompt + the gold option's continuation,
-      right-padded, labels -100 except on the continuation tokens (the answer text's
-      cross-entropy, an objective's `vocab` mode);
-    * `cloze`: `separate_rows` of all K options (an objective's `cloze` mode: the option
-      distribution by option likelihood, differentiable);
-    * `answers`: the gold option index.
-
-    The prompt loses tokens from the left so prompt + longest option fits `max_length`."""
-
-    tokenizer: object
-    prompt: str = "chat"
-    max_length: int = 512
-    stats: dict = field(default_factory=lambda: {"prompt_truncated": 0})
-
-    def __call__(self, records) -> dict:
-        encoded = []
-        for r in records:
-            ctx, conts, chars = encode_question(self.tokenizer, r.question, r.choices, self.prompt)
-            room = max(1, self.max_length - max(len(c) for c in conts))  # as encode_question
-            self.stats["prompt_truncated"] += int(len(ctx) > room)
-            encoded.append((ctx[-room:], conts, chars))
-        k = len(records[0].choices)
-        if any(len(r.choices) != k for r in records):
-            raise ValueError("cloze training needs the same number of options in every question")
-        answers = [r.answer for r in records]
-        gold = [(ctx, conts[a]) for (ctx, conts, _), a in zip(encoded, answers, strict=True)]
-        width = max(len(ctx) + len(cont) for ctx, cont in gold)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.full((len(records), width), pad, dtype=torch.long)
-        labels = torch.full((len(records), width), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(records), width), dtype=torch.long)
-        for i, (ctx, cont) in enumerate(gold):
-            n = len(ctx) + len(cont)
-            input_ids[i, :n] = torch.tensor(ctx + cont, dtype=torch.long)
-            labels[i, len(ctx) : n] = torch.tensor(cont, dtype=torch.long)
-            mask[i, :n] = 1
-        return {
-            "input_ids": input_ids,
-            "attention_mask": mask,
-            "labels": labels,
-            "ids": [r.id for r in records],
-            "answers": torch.tensor(answers, dtype=torch.long),
-            "cloze": separate_rows(encoded, pad),
-        }
+    return option_scores(separate_loglik(model, rows), encoded, k)

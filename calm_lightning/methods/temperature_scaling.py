@@ -16,15 +16,15 @@ from typing import ClassVar
 import torch
 from torch.utils.data import DataLoader
 
-from calm_lightning.calibrators.temperature import BOUNDS, fit_temperature
-from calm_lightning.config_checks import Number
-from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.cloze import (
-    ClozeScores,
+from calm_lightning.calibrators.cloze_temperature import (
     fit_cloze_temperature,
     temperature_scales,
     temperature_terms,
 )
+from calm_lightning.calibrators.temperature import BOUNDS, fit_temperature
+from calm_lightning.config_checks import Number
+from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.cloze import ClozeScores
 from calm_lightning.evaluation.mcqa import choose_option_tokens, score_options
 from calm_lightning.methods.base import PosthocTemperature
 from calm_lightning.methods.objectives import select_response_logits
