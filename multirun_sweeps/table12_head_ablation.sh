@@ -16,6 +16,7 @@ DEFAULT_MODELS=mistral
 SMOKE_ARGS="setting=demo setting.test.limit=4 trainer.limit_train_batches=1 \\
     method.module.inner_steps=1 peft.r=2"
 
+# shellcheck source=lib.sh source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 parse_args "$@"
 

@@ -17,6 +17,7 @@ reliability diagrams (Figures 3-4)."
 DEFAULT_MODELS=tulu,vicuna,olmo2,mistral
 SMOKE_ARGS="setting=demo_id setting.test.limit=4 trainer.limit_train_batches=1 peft.r=2"
 
+# shellcheck source=lib.sh source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 parse_args "$@"
 

@@ -16,6 +16,7 @@ DEFAULT_MODELS=tulu,vicuna,olmo2,mistral
 SMOKE_ARGS="setting=demo_gen_ood setting.test.limit=4 evaluation.openqa.n_samples=2 \\
     trainer.limit_train_batches=1 peft.r=2"
 
+# shellcheck source=lib.sh source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 parse_args "$@"
 
