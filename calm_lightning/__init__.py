@@ -11,9 +11,9 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_calibrated": "calm_lightning.inference",
-    "CalibratedModel": "calm_lightning.inference",
-    "CalibrationLogitsProcessor": "calm_lightning.logits_processor",
+    "load_calibrated": "calm_lightning.exported.inference",
+    "CalibratedModel": "calm_lightning.exported.inference",
+    "CalibrationLogitsProcessor": "calm_lightning.exported.logits_processor",
 }
 __all__ = ["__version__", *_LAZY]
 

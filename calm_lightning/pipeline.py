@@ -4,7 +4,7 @@ It only orchestrates: compose (the resolved config and what a method_setting fil
 validate (every config value, before data or weights load) -> build (data read and checked,
 the trainer, then the model and the method) -> calibrate (the method's own protocol,
 methods/base.py) -> evaluate (test split, and lm-eval retention when asked) -> write (the run
-record, run_record.py). What a method is, needs and does lives in its class; W&B in loggers.py.
+record, runtime/run_record.py). What a method is, needs and does lives in its class.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from calm_lightning.config_checks import check_config, check_world_size
-from calm_lightning.distributed import is_main_process
 from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.lm_eval_retention import RetentionStep
 from calm_lightning.evaluation.results import format_table, run_meta
-from calm_lightning.evaluation.retention import RetentionStep
-from calm_lightning.loggers import build_loggers, finish_loggers, publish_results
-from calm_lightning.method_settings import applied_method_setting, log_method_setting
 from calm_lightning.methods.base import CalibrationMethod, method_class
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.loading import LoadedModel, load_language_model
-from calm_lightning.run_record import (
+from calm_lightning.runtime.config_checks import check_config, check_world_size
+from calm_lightning.runtime.distributed import is_main_process
+from calm_lightning.runtime.loggers import build_loggers, finish_loggers, publish_results
+from calm_lightning.runtime.method_settings import applied_method_setting, log_method_setting
+from calm_lightning.runtime.run_record import (
     BASE_DIR,
     CALIBRATION_DIR,
     RETENTION_FILE,
@@ -42,7 +42,7 @@ from calm_lightning.run_record import (
     write_row,
     write_run,
 )
-from calm_lightning.timing import Stopwatch
+from calm_lightning.runtime.timing import Stopwatch
 
 # Manual-optimization methods (CALM) checkpoint the state after their update on purpose: a
 # checkpoint at outer step k holds the parameters and counter after step k, which is what a

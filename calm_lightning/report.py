@@ -8,7 +8,7 @@ from pathlib import Path
 
 from calm_lightning.reporting.collect import collect_runs
 from calm_lightning.reporting.render import write_report
-from calm_lightning.run_record import CONFIG_FILE
+from calm_lightning.runtime.run_record import CONFIG_FILE
 
 
 def main(argv: list[str] | None = None) -> int:

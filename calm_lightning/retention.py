@@ -53,7 +53,7 @@ def settings_for(run_cfg, arguments: dict):
     """The run's own `evaluation.retention` block, then the command line on top."""
     from omegaconf import OmegaConf
 
-    from calm_lightning.evaluation.retention import RetentionSettings
+    from calm_lightning.evaluation.lm_eval_retention import RetentionSettings
 
     block = OmegaConf.select(run_cfg, "evaluation.retention", default=None)
     values = OmegaConf.to_container(block, resolve=True) if block is not None else {}
@@ -91,11 +91,11 @@ def evaluate_run(
 ) -> Path:
     """Retention of the saved run in `run_dir` (base row, then the method's when it changes
     the model); returns the retention.json it wrote."""
+    from calm_lightning.evaluation.lm_eval_retention import RetentionStep
     from calm_lightning.evaluation.results import run_meta
-    from calm_lightning.evaluation.retention import RetentionStep
-    from calm_lightning.export import inspect_run, load_base_model, target_dtype
+    from calm_lightning.exported.writer import inspect_run, load_base_model, target_dtype
     from calm_lightning.models.calibrated_lm import CalibratedLM
-    from calm_lightning.run_record import RETENTION_FILE, write_retention
+    from calm_lightning.runtime.run_record import RETENTION_FILE, write_retention
 
     run = inspect_run(run_dir, exporting=False)
     out = Path(out) if out else run.run_dir

@@ -11,7 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from calm_lightning.errors import CalmLightningError
-from calm_lightning.resolvers import in_multirun  # importing it registers the resolvers
+from calm_lightning.runtime.resolvers import in_multirun  # importing it registers the resolvers
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _record_failure(out: Path, err: Exception) -> None:
-    from calm_lightning.run_record import write_failure
+    from calm_lightning.runtime.run_record import write_failure
 
     write_failure(out, err)
     log.error("job failed, the sweep continues: %s: %s", type(err).__name__, err)

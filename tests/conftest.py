@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from hydra import compose as hydra_compose  # noqa: E402
 from hydra import initialize_config_module  # noqa: E402
 
-import calm_lightning.resolvers  # noqa: E402, F401  (registers resolvers)
+import calm_lightning.runtime.resolvers  # noqa: E402, F401  (registers resolvers)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -17,9 +17,9 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from calm_lightning.errors import DataFormatError
-from calm_lightning.method_settings import applied_method_setting
 from calm_lightning.methods.base import HEAD_CONFIGURED, CalibrationMethod
 from calm_lightning.methods.training import TrainingMethod
+from calm_lightning.runtime.method_settings import applied_method_setting
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -42,7 +42,12 @@ def accepted_arguments(cls: type) -> set[str]:
 
 
 def _method(path: Path) -> tuple[dict, type]:
-    node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    """A method file as Hydra composes it: a file may extend another of its group first
+    (`defaults: [daca, _self_]`)."""
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    parents = [d for d in raw.pop("defaults", []) if d != "_self_"]
+    merged = OmegaConf.merge(*[_method(path.parent / f"{p}.yaml")[0] for p in parents], raw)
+    node = OmegaConf.to_container(merged, resolve=False)
     return node, get_class(node["module"]["_target_"])
 
 
@@ -200,7 +205,7 @@ def test_auto_precision_never_picks_fp16(monkeypatch):
     """A GPU without bf16 gets fp32, so the default method (CALM) runs there too."""
     import torch
 
-    from calm_lightning import resolvers
+    from calm_lightning.runtime import resolvers
 
     monkeypatch.setattr(resolvers, "cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)

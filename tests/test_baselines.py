@@ -14,7 +14,7 @@ from calm_lightning.calibrators.temperature import fit_temperature
 from calm_lightning.data.collate import IGNORE_INDEX
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.iterate import Iterate
-from calm_lightning.methods.supervised import (
+from calm_lightning.methods.single_level import (
     Regularization,
     bin_statistics,
     cft_calibration_loss,

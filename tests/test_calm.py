@@ -574,7 +574,7 @@ def test_bad_surrogate_settings_are_refused(tiny_loaded, surrogate):
 
 
 def _regularization(tiny_loaded):
-    from calm_lightning.methods.supervised import Regularization
+    from calm_lightning.methods.single_level import Regularization
 
     lm = wrap_with_lora(copy.deepcopy(tiny_loaded.model), {"r": 4, "lora_alpha": 8})
     return Regularization(CalibratedLM(lm, None), tiny_loaded.tokenizer, lr=1e-2, warmup_ratio=0)

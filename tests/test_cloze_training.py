@@ -20,7 +20,7 @@ from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.cloze import score_cloze, score_cloze_separate
 from calm_lightning.methods.calm import CALM
 from calm_lightning.methods.objectives import cloze_predictions, mean_entropy
-from calm_lightning.methods.supervised import Regularization
+from calm_lightning.methods.single_level import Regularization
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
 from calm_lightning.models.lora import wrap_with_lora

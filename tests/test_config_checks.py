@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from calm_lightning.config_checks import Keys, Number, OneOf, check_values, merged_rules
 from calm_lightning.errors import ConfigError
+from calm_lightning.runtime.config_checks import Keys, Number, OneOf, check_values, merged_rules
 
 BAD_VALUES = [
     ("method.module.inner_steps=0", "method.module.inner_steps=0 must be an integer >= 1"),
@@ -110,7 +110,7 @@ def test_rules_name_key_value_and_choices():
 
 def test_rules_follow_the_class_hierarchy():
     from calm_lightning.methods.calm import CALM
-    from calm_lightning.methods.supervised import Regularization
+    from calm_lightning.methods.single_level import Regularization
 
     calm, reg = merged_rules(CALM), merged_rules(Regularization)
     assert {"inner_steps", "surrogate.schedule", "warmup_ratio"} <= set(calm)
@@ -122,8 +122,8 @@ def test_every_shipped_method_config_passes_its_rules(compose, tmp_path):
 
     from omegaconf import OmegaConf
 
-    from calm_lightning.config_checks import evaluation_rules, head_rules
     from calm_lightning.methods.base import method_class
+    from calm_lightning.runtime.config_checks import evaluation_rules, head_rules
 
     conf = Path(__file__).resolve().parents[1] / "conf" / "method"
     methods = sorted(p.stem for p in conf.glob("*.yaml"))

@@ -14,7 +14,7 @@ Three layers, each against an independent computation:
 Every collective is handed tensors on the device the backend reduces (NCCL: CUDA only), which
 gloo on CPUs cannot see by itself: `install_collective_device_guard` and the
 `CollectiveDeviceGuard` callback (on every pipeline run under DDP here) emulate that rule, and
-no module but `calm_lightning/distributed.py` calls a collective.
+no module but `calm_lightning/runtime/distributed.py` calls a collective.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from calm_lightning import distributed
-from calm_lightning.distributed import GlobalMean, ShardedBatchSampler
 from calm_lightning.errors import ConfigError
+from calm_lightning.runtime import distributed
+from calm_lightning.runtime.distributed import GlobalMean, ShardedBatchSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -388,7 +388,7 @@ def test_only_the_distributed_module_calls_collectives():
     # So every collective goes through a helper that puts its tensors on collective_device().
     package = ROOT / "calm_lightning"
     calls = {p: _collective_calls(p) for p in sorted(package.rglob("*.py"))}
-    assert calls.pop(package / "distributed.py")  # the helpers themselves
+    assert calls.pop(package / "runtime" / "distributed.py")  # the helpers themselves
     assert not [c for found in calls.values() for c in found]
 
 
@@ -563,7 +563,7 @@ def test_fsdp_config_builds_lightnings_strategy_with_a_lora_wrap_rule(compose):
 
     from calm_lightning.methods.calm import CALM
     from calm_lightning.models.loading import load_language_model
-    from calm_lightning.strategies import wrap_module
+    from calm_lightning.runtime.strategies import wrap_module
 
     cfg = compose(["model=tiny", "trainer=fsdp", "method=reg"])
     strategy = instantiate(cfg.trainer.strategy)

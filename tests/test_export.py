@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from calm_lightning.data.sources import EmbeddedDemoSource
 from calm_lightning.errors import ExportError
-from calm_lightning.export import export_run, main, parse_arguments
+from calm_lightning.exported.writer import export_run, main, parse_arguments
 from calm_lightning.pipeline import run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -420,12 +420,12 @@ def test_existing_output_needs_overwrite_and_failures_leave_nothing(
         export_run(calm_run, out)
     # A failure half-way (here: writing the model card) leaves the old folder as it was and
     # no partial folder beside it.
-    import calm_lightning.model_card
+    import calm_lightning.exported.model_card
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(calm_lightning.model_card, "write_model_card", broken)
+    monkeypatch.setattr(calm_lightning.exported.model_card, "write_model_card", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         export_run(calm_run, out, overwrite=True)
     with pytest.raises(RuntimeError, match="disk full"):

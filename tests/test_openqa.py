@@ -13,7 +13,7 @@ import torch
 
 from calm_lightning.evaluation.openqa import OpenQAPredictions, OpenQASettings
 from calm_lightning.evaluation.sampling import sample_answers
-from calm_lightning.methods.supervised import smoothed_vocab_cross_entropy
+from calm_lightning.methods.single_level import smoothed_vocab_cross_entropy
 from calm_lightning.metrics.semantic import grade
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.pipeline import run_experiment

@@ -17,7 +17,8 @@ from calm_lightning.data.records import MCQARecord
 from calm_lightning.data.sources import EmbeddedDemoSource
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.verbalized import parse_answer_letter, parse_confidence
-from calm_lightning.methods.prompting import permutation_average, stated_answer_probs
+from calm_lightning.methods.base import stated_answer_probs
+from calm_lightning.methods.prompting import permutation_average
 from calm_lightning.pipeline import run_experiment
 
 K = 4.0

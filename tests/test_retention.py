@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from calm_lightning.errors import ConfigError, DataFormatError, DataUnavailableError
-from calm_lightning.evaluation.retention import (
+from calm_lightning.evaluation.lm_eval_retention import (
     RetentionSettings,
     load_tasks,
     run_lm_eval,
@@ -70,7 +70,7 @@ def test_a_retention_pass_leaves_the_random_streams_as_they_were():
     `preserved_rng` (as each retention pass does), training afterwards draws the same."""
     import random
 
-    from calm_lightning.evaluation.retention import preserved_rng
+    from calm_lightning.evaluation.lm_eval_retention import preserved_rng
 
     def draws():
         return random.random(), float(np.random.rand()), torch.rand(2).tolist()
@@ -170,7 +170,7 @@ def test_local_task_config_keeps_lm_evals_task_and_swaps_the_data(fixture_tasks,
 def test_option_distribution_conf_ece_matches_an_independent_computation(
     tiny_loaded, fixture_tasks
 ):
-    from calm_lightning.evaluation.retention import evaluate_retention
+    from calm_lightning.evaluation.lm_eval_retention import evaluate_retention
 
     tasks = {t: fixture_tasks[t] for t in ("piqa", "arc_easy", "winogrande")}
     settings = _settings(tuple(tasks), limit=None, n_bins=5)
@@ -284,7 +284,8 @@ def test_default_config_runs_no_retention_and_overrides_reach_the_settings(compo
 
 def test_importing_the_package_and_the_pipeline_does_not_import_lm_eval():
     code = (
-        "import sys, calm_lightning, calm_lightning.evaluation.retention, calm_lightning.retention;"
+        "import sys, calm_lightning, calm_lightning.evaluation.lm_eval_retention;"
+        "import calm_lightning.retention;"
         "import calm_lightning.pipeline; print('lm_eval' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -414,7 +415,7 @@ def test_the_report_has_a_retention_table(calm_run, tmp_path):
 
 def test_retention_rows_average_over_seeds(tmp_path):
     from calm_lightning.reporting.collect import Run
-    from calm_lightning.reporting.retention import retention_markdown, retention_rows
+    from calm_lightning.reporting.retention_table import retention_markdown, retention_rows
     from calm_lightning.reporting.selection import Choice
 
     def run(seed, base_acc, calm_acc):
@@ -437,7 +438,7 @@ def test_retention_rows_average_over_seeds(tmp_path):
 @pytest.mark.slow
 def test_the_embedded_model_beats_chance_on_the_piqa_fixture(compose, tmp_path):
     """SmolLM2-135M-Instruct, lm-eval's PIQA task zero-shot on the 40 fixture items."""
-    from calm_lightning.evaluation.retention import evaluate_retention
+    from calm_lightning.evaluation.lm_eval_retention import evaluate_retention
     from calm_lightning.models.loading import load_language_model
 
     loaded = load_language_model(compose([], tmp_path).model)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from calm_lightning import run_record
-from calm_lightning.run_record import (
+from calm_lightning.runtime import run_record
+from calm_lightning.runtime.run_record import (
     Evaluation,
     RunRecordError,
     RunResult,
@@ -47,7 +47,7 @@ def test_file_names_live_in_the_run_record_only():
 
 
 def test_the_run_record_is_low_level():
-    tree = ast.parse((ROOT / "calm_lightning" / "run_record.py").read_text())
+    tree = ast.parse((ROOT / "calm_lightning" / "runtime" / "run_record.py").read_text())
     imported = {
         node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
     } | {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
@@ -58,7 +58,7 @@ def test_the_run_record_is_low_level():
 def test_the_writer_never_reads_back_what_it_wrote():
     pipeline = (ROOT / "calm_lightning" / "pipeline.py").read_text()
     assert len(pipeline.splitlines()) <= 220
-    for module in ("pipeline.py", "loggers.py"):
+    for module in ("pipeline.py", "runtime/loggers.py"):
         text = (ROOT / "calm_lightning" / module).read_text()
         assert not re.search(r"read_text|json\.load|read_run|open\(", text), module
 
@@ -69,6 +69,7 @@ def _evaluation(n: int = 3) -> Evaluation:
 
 
 def test_write_then_read_a_finished_run(tmp_path):
+    root, tmp_path = tmp_path, tmp_path / "runs" / "one"
     cfg = OmegaConf.create({"model": {"name": "tiny"}, "method": {"name": "calm"}, "seed": 3})
     write_config(tmp_path, cfg)
     evaluation = _evaluation()
@@ -95,7 +96,7 @@ def test_write_then_read_a_finished_run(tmp_path):
     on_disk = json.loads((tmp_path / run_record.METRICS_FILE).read_text())
     assert on_disk == result.summary()
     assert not [p for p in tmp_path.rglob(".*") if p.is_file()]
-    assert [r.path for r in find_runs([tmp_path.parent])] == [tmp_path]
+    assert [r.path for r in find_runs([root])] == [tmp_path]
 
 
 def test_a_failed_job_and_a_folder_that_is_no_run(tmp_path):
@@ -113,3 +114,29 @@ def test_a_failed_job_and_a_folder_that_is_no_run(tmp_path):
         read_run(tmp_path / "missing")
     with pytest.raises(RunRecordError, match="has no predictions.jsonl"):
         record.predictions()
+
+
+def _project_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    found |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return {m for m in found if m.startswith("calm_lightning.")}
+
+
+def test_no_import_points_upward():
+    package = ROOT / "calm_lightning"
+    forbidden = {
+        "data": ("methods", "reporting", "pipeline", "evaluation"),
+        "models": ("methods", "reporting", "pipeline", "evaluation"),
+        "metrics": ("methods", "reporting", "pipeline"),
+        "calibrators": ("methods", "reporting", "pipeline"),
+        "evaluation": ("methods", "reporting", "pipeline"),
+    }
+    offenders = []
+    for layer, above in forbidden.items():
+        for path in (package / layer).rglob("*.py"):
+            for module in _project_imports(path):
+                top = module.split(".")[1]
+                if top in above:
+                    offenders.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not offenders, offenders

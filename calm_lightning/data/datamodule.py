@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 from calm_lightning.data.collate import InstructionCollator, MCQACollator, OpenQACollator
 from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, openqa_user_text
 from calm_lightning.data.records import InstructionRecord, MCQARecord, OpenQARecord
-from calm_lightning.distributed import ShardedBatchSampler
 from calm_lightning.errors import ConfigError
+from calm_lightning.runtime.distributed import ShardedBatchSampler
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class CalibrationDataModule(L.LightningDataModule):
                 collate_fn=collate,
                 num_workers=self.num_workers,
             )
-        # Each process takes its slice of the same global batches (distributed.py).
+        # Each process takes its slice of the same global batches (runtime/distributed.py).
         sampler = ShardedBatchSampler(
             len(examples), batch_size, shuffle=True, seed=self.seed + offset, drop_last=True
         )

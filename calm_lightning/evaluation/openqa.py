@@ -25,7 +25,7 @@ from calm_lightning.metrics.semantic import (
     semantic_ece,
     split_half_answer,
 )
-from calm_lightning.run_record import Evaluation
+from calm_lightning.runtime.run_record import Evaluation
 
 CONFIDENCES = ("modal", "split_half")
 

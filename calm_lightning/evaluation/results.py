@@ -1,4 +1,4 @@
-"""An MCQA evaluation as a run record (calm_lightning/run_record.py writes it), its reliability
+"""An MCQA evaluation as a run record (runtime/run_record.py writes it), its reliability
 diagram, and the table printed at the end of a run."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from calm_lightning.metrics.names import PERCENT, run_table_columns
 from calm_lightning.metrics.reliability import plot_reliability_diagram
-from calm_lightning.run_record import Evaluation
+from calm_lightning.runtime.run_record import Evaluation
 
 
 def run_meta(cfg) -> dict:

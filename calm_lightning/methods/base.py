@@ -25,10 +25,8 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 
-from calm_lightning.config_checks import check_values, merged_rules
 from calm_lightning.data.prompts import OPTION_LETTERS
 from calm_lightning.data.records import OpenQARecord
-from calm_lightning.distributed import gather_objects, world
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.cloze import ClozeSettings, score_cloze
 from calm_lightning.evaluation.mcqa import OptionTokens, choose_option_tokens, score_options
@@ -38,6 +36,8 @@ from calm_lightning.metrics.calibration import calibration_report
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
 from calm_lightning.models.lora import wrap_with_lora
+from calm_lightning.runtime.config_checks import check_values, merged_rules
+from calm_lightning.runtime.distributed import gather_objects, world
 
 # `head` values: no head, the method's configured head (`method.head`: kind, center), or one
 # scalar temperature d = 1 / T over the untouched logits (post-hoc temperature methods).
@@ -204,7 +204,7 @@ class CalibrationMethod(L.LightningModule):
         """Every process's test batches (one process: its own), in single-process order."""
         entries = [e for rows in gather_objects(self._test_rows) for e in rows]
         n_global = getattr(self._test_loader().batch_sampler, "n_global", None)
-        if n_global is not None:  # drop the copies idle processes scored (distributed.py)
+        if n_global is not None:  # drop the copies idle processes scored (runtime/distributed.py)
             entries = [e for e in entries if e[0] < n_global]
         return [rows for _, rows in sorted(entries, key=lambda e: e[0])]
 
@@ -388,3 +388,11 @@ def method_class(cfg) -> type[CalibrationMethod]:
     if not (isinstance(cls, type) and issubclass(cls, CalibrationMethod)):
         raise ConfigError(f"method.module._target_={target} is not a CalibrationMethod")
     return cls
+
+
+def stated_answer_probs(confidence: torch.Tensor, answer: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, K) rows with `confidence` on `answer` and the rest spread evenly over the others."""
+    confidence = confidence.double().clamp(0.0, 1.0)
+    probs = ((1 - confidence) / (k - 1))[:, None].repeat(1, k)
+    probs[torch.arange(len(answer)), answer] = confidence
+    return probs

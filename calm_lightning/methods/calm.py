@@ -33,8 +33,6 @@ from typing import ClassVar
 
 import torch
 
-from calm_lightning.config_checks import Keys, Number, OneOf
-from calm_lightning.distributed import GlobalMean
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.base import HEAD_CONFIGURED
 from calm_lightning.methods.bome import bome_direction
@@ -49,6 +47,8 @@ from calm_lightning.methods.training import (
     clamp_,
     first_non_finite,
 )
+from calm_lightning.runtime.config_checks import Keys, Number, OneOf
+from calm_lightning.runtime.distributed import GlobalMean
 
 UPPER_OBJECTIVES = ("auto", "vocab", "options")
 

@@ -11,12 +11,12 @@ from typing import ClassVar
 
 import torch
 
-from calm_lightning.config_checks import Number
-from calm_lightning.distributed import GlobalMean
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.base import HEAD_CONFIGURED
 from calm_lightning.methods.objectives import cross_entropy, mean_entropy, objective_count
 from calm_lightning.methods.training import TrainingMethod, first_non_finite
+from calm_lightning.runtime.config_checks import Number
+from calm_lightning.runtime.distributed import GlobalMean
 
 
 class Iterate(TrainingMethod):
@@ -86,7 +86,7 @@ class Iterate(TrainingMethod):
         """One block's step on `loss` (a mean over `count` items of this rank's batch);
         returns the loss of the global batch."""
         # Gradients only for this block: the other block stays frozen for this step. They
-        # bypass DDP's hooks, so the global batch's mean is formed here (distributed.py).
+        # bypass DDP's hooks, so the global batch's mean is formed here (runtime/distributed.py).
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         loss, grads = GlobalMean().both(loss, grads, count)
         if first_non_finite(**{name: loss}):

@@ -1,11 +1,12 @@
-"""Confidences without a fitted temperature, from prompting and reading the model (the
-Dual-Align paper's comparison rows): `InternalConsistency` (agreement of the logit-lens layers),
-`CAPE` (option probabilities averaged over option orders) and `Elicitation` (verbalised
-confidence). Each overrides `option_probabilities` only, so metrics and result files stay shared.
+"""Confidences from changing the prompt, without a fitted temperature (the Dual-Align paper's
+comparison rows): `CAPE` (option probabilities averaged over option orders) and `Elicitation`
+(the model states its answer and a verbalised confidence). Each overrides
+`option_probabilities` only, so metrics and result files stay shared; internal consistency
+(a logit-lens readout) is internal_consistency.py.
 
-Methods whose confidence belongs to a stated answer (IC, elicitation) put that confidence c on
-the answer and spread 1 - c evenly over the other options; the stated answer, not the argmax,
-counts for accuracy, conf-ECE and MCE.
+Elicitation's confidence belongs to a stated answer: `stated_answer_probs` (methods/base.py)
+puts it on the answer and spreads the rest evenly; the stated answer, not the argmax, counts
+for accuracy, conf-ECE and MCE.
 """
 
 from __future__ import annotations
@@ -17,23 +18,14 @@ from typing import ClassVar
 
 import torch
 
-from calm_lightning.config_checks import Number, OneOf
 from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, render_prompt
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.mcqa import score_options
 from calm_lightning.evaluation.verbalized import parse_answer_letter, parse_confidence
-from calm_lightning.methods.base import CalibrationMethod
-from calm_lightning.models.logit_lens import lens_option_logits
+from calm_lightning.methods.base import CalibrationMethod, stated_answer_probs
+from calm_lightning.runtime.config_checks import Number, OneOf
 
 log = logging.getLogger(__name__)
-
-
-def stated_answer_probs(confidence: torch.Tensor, answer: torch.Tensor, k: int) -> torch.Tensor:
-    """(B, K) rows with `confidence` on `answer` and the rest spread evenly over the others."""
-    confidence = confidence.double().clamp(0.0, 1.0)
-    probs = ((1 - confidence) / (k - 1))[:, None].repeat(1, k)
-    probs[torch.arange(len(answer)), answer] = confidence
-    return probs
 
 
 class _RecordsByIdMixin:
@@ -41,42 +33,6 @@ class _RecordsByIdMixin:
 
     def _index_test_records(self) -> None:
         self._records = {r.id: r for r in self.trainer.datamodule._load("test")}
-
-
-class InternalConsistency(CalibrationMethod):
-    """Confidence = share of lens layers whose top option equals the final layer's."""
-
-    cloze_refusal = (
-        "internal consistency reads the logit lens restricted to the option letters at the "
-        "answer slot; a cloze option has no single position whose lens could vote"
-    )
-
-    def __init__(
-        self,
-        model,
-        tokenizer=None,
-        with_embeddings: bool = False,
-        include_final: bool = False,
-        **evaluation,
-    ) -> None:
-        super().__init__(model, tokenizer, **evaluation)
-        self.with_embeddings = bool(with_embeddings)
-        self.include_final = bool(include_final)
-
-    def option_probabilities(self, batch):
-        lens = lens_option_logits(
-            self.model.lm,
-            batch["input_ids"],
-            batch["attention_mask"],
-            self.option_tokens.tensor(self.device),
-            self.with_embeddings,
-        )
-        answer = lens[:, -1].argmax(-1)
-        layers = lens if self.include_final else lens[:, :-1]
-        if layers.shape[1] == 0:
-            raise ConfigError("internal consistency needs more than one lens layer")
-        confidence = (layers.argmax(-1) == answer[:, None]).double().mean(1)
-        return stated_answer_probs(confidence, answer, lens.shape[-1]), answer
 
 
 def option_orders(k: int, kind: str) -> list[tuple[int, ...]]:

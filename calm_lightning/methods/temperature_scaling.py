@@ -22,12 +22,12 @@ from calm_lightning.calibrators.cloze_temperature import (
     temperature_terms,
 )
 from calm_lightning.calibrators.temperature import BOUNDS, fit_temperature
-from calm_lightning.config_checks import Number
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.cloze import ClozeScores
 from calm_lightning.evaluation.mcqa import choose_option_tokens, score_options
 from calm_lightning.methods.base import PosthocTemperature
 from calm_lightning.methods.objectives import select_response_logits
+from calm_lightning.runtime.config_checks import Number
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ from typing import ClassVar
 
 import torch
 
-from calm_lightning.config_checks import Number
-from calm_lightning.distributed import GlobalMean, any_rank, gather_objects, world
 from calm_lightning.errors import CalmLightningError, ConfigError
 from calm_lightning.methods.base import CalibrationMethod
 from calm_lightning.methods.objectives import predictions
-from calm_lightning.run_record import LAST_GOOD_CHECKPOINT, checkpoint_file
+from calm_lightning.runtime.config_checks import Number
+from calm_lightning.runtime.distributed import GlobalMean, any_rank, gather_objects, world
+from calm_lightning.runtime.run_record import LAST_GOOD_CHECKPOINT, checkpoint_file
 
 
 class NonFiniteError(CalmLightningError):
@@ -182,7 +182,7 @@ class TrainingMethod(CalibrationMethod):
         style = self.option_token_style if self.option_token_style in candidates else None
         self.option_ids = candidates[style or next(iter(candidates))].tensor(self.device)
 
-    # ----- data parallelism (distributed.py; identities on one process) -----
+    # ----- data parallelism (runtime/distributed.py; identities on one process) -----
     def distributed_mean(self, term: torch.Tensor, count) -> torch.Tensor:
         """`term`, a mean over `count` items of this rank's batch, weighted so that DDP's
         average of the ranks' gradients (and of their logged values) is the global batch's

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from calm_lightning.errors import ConfigError, ModelUnavailableError
 from calm_lightning.models import embedded
-from calm_lightning.resolvers import cuda_available
+from calm_lightning.runtime.resolvers import cuda_available
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from calm_lightning.run_record import find_runs
+from calm_lightning.runtime.run_record import find_runs
 
 IGNORED_KEYS = ("paths.", "hydra.", "trainer.default_root_dir", "logger.", "callbacks.", "seed")
 

@@ -2,8 +2,8 @@
 paper-style table per (model, setting) with the best value per column in bold; `write_report`
 writes `report.md` (tables, selected hyper-parameters, failed runs), `results.csv` (every run),
 `selected.csv` (every choice, mean and std), `retention.csv` and the retention tables when runs
-measured retention (reporting/retention.py) and, via `reliability_grid`, one figure of the chosen
-runs' reliability diagrams.
+measured retention (reporting/retention_table.py) and, via `reliability_grid`, one figure of
+the chosen runs' reliability diagrams.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import numpy as np
 
 from calm_lightning.metrics.names import BY_KEY, report_metrics, results_csv_keys
 from calm_lightning.reporting.collect import Run
-from calm_lightning.reporting.retention import (
+from calm_lightning.reporting.retention_table import (
     retention_markdown,
     retention_rows,
     write_retention_csv,
 )
 from calm_lightning.reporting.selection import Choice, calibration_key, method_order, select
-from calm_lightning.run_record import RELIABILITY_FILE
+from calm_lightning.runtime.run_record import RELIABILITY_FILE
 
 
 def _cell(choice: Choice, key: str, bold: bool) -> str:

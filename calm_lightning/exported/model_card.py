@@ -12,7 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from calm_lightning.metrics.names import PERCENT, run_table_columns
-from calm_lightning.run_record import BASE_DIR, DATA_SUMMARY_FILE, RELIABILITY_FILE
+from calm_lightning.runtime.run_record import BASE_DIR, DATA_SUMMARY_FILE, RELIABILITY_FILE
 
 # The run's diagrams (path in the run directory) -> their names in the exported folder.
 DIAGRAMS = {

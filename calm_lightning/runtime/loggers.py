@@ -10,7 +10,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from calm_lightning.run_record import (
+from calm_lightning.runtime.run_record import (
     RunResult,
     read_wandb_id,
     run_dir_of_checkpoint,
@@ -34,13 +34,13 @@ def _wandb_overrides(cfg: DictConfig, node: DictConfig, resume_from: str | None)
 
             # W&B run ids are short lowercase alphanumerics; any unique such string works.
             run_id = secrets.token_hex(4)
-        from calm_lightning.distributed import is_main_process
+        from calm_lightning.runtime.distributed import is_main_process
 
         if is_main_process():  # DDP children start later and read rank 0's id
             write_wandb_id(out, run_id)
         extra["id"] = run_id
     if not node.get("group"):
-        from calm_lightning.resolvers import in_multirun
+        from calm_lightning.runtime.resolvers import in_multirun
 
         if in_multirun():
             from hydra.core.hydra_config import HydraConfig

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import move_data_to_device
 
-from calm_lightning.config_checks import Number, OneOf
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.objectives import (
     adjusted_predictions,
@@ -26,6 +25,7 @@ from calm_lightning.methods.objectives import (
     select_response_logits,
 )
 from calm_lightning.methods.training import TrainingMethod, first_non_finite
+from calm_lightning.runtime.config_checks import Number, OneOf
 
 N_BINS = 10
 
@@ -60,7 +60,7 @@ def initial_bin_statistics(batches) -> tuple[list, torch.Tensor, torch.Tensor, t
 
 
 class Scored(NamedTuple):
-    """A training batch scored in a method's mode (`SupervisedMethod.scored_predictions`)."""
+    """A training batch scored in a method's mode (`SingleLevelMethod.scored_predictions`)."""
 
     answer_ce: torch.Tensor | None  # next-token CE of the answer (None unless asked / free)
     logits: torch.Tensor  # (N, K or V) adjusted logits the objective scores
@@ -68,7 +68,7 @@ class Scored(NamedTuple):
     answer_tokens: int  # tokens answer_ce averages over (0 without it)
 
 
-class SupervisedMethod(TrainingMethod):
+class SingleLevelMethod(TrainingMethod):
     """A single-level method: subclasses implement `loss(batch) -> (loss, logs)`."""
 
     config_rules: ClassVar[dict] = {
@@ -182,7 +182,7 @@ class SupervisedMethod(TrainingMethod):
             self.model.train(was_training)
 
 
-class Regularization(SupervisedMethod):
+class Regularization(SingleLevelMethod):
     """L = CE(y, p) - alpha_reg * H(p): the entropy objective as a single-level penalty."""
 
     config_rules: ClassVar[dict] = {"alpha_reg": Number(minimum=0)}
@@ -215,7 +215,7 @@ def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return -(targets * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
 
 
-class LabelSmoothing(SupervisedMethod):
+class LabelSmoothing(SingleLevelMethod):
     """Label smoothing with a per-sample epsilon from the initial model's confidence bin:
     a prediction whose initial confidence falls in bin b has eps = 1 - acc_b (acc_b: the
     initial model's accuracy in that bin over the training set).
@@ -298,7 +298,7 @@ def cft_calibration_loss(
     return (per_sample / count).sum()
 
 
-class CFT(SupervisedMethod):
+class CFT(SingleLevelMethod):
     """Calibration-aware fine-tuning: (1 - w) L_SFT + w c L_cal (c = 1e-3).
 
     L_SFT is next-token cross-entropy on every response token. L_cal acts on the method's

@@ -15,7 +15,7 @@ from calm_lightning.data.collate import MCQACollator
 from calm_lightning.data.prompts import render_prompt
 from calm_lightning.data.records import MCQARecord
 from calm_lightning.evaluation.mcqa import OptionTokens, option_token_candidates, score_options
-from calm_lightning.logits_processor import CalibrationLogitsProcessor, read_calibration
+from calm_lightning.exported.logits_processor import CalibrationLogitsProcessor, read_calibration
 from calm_lightning.models.calibrated_lm import ADAPTER_DIR, CalibratedLM
 
 

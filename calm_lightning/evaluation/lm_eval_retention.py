@@ -34,7 +34,7 @@ from calm_lightning.errors import (
     MissingDependencyError,
 )
 from calm_lightning.metrics.calibration import confidence_ece
-from calm_lightning.run_record import RETENTION_DIR
+from calm_lightning.runtime.run_record import RETENTION_DIR
 
 log = logging.getLogger(__name__)
 

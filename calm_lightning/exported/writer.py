@@ -1,0 +1,472 @@
+"""`python -m calm_lightning.export run_dir=<run dir> out=<dir> [merge=true] [overwrite=false]
+[dtype=auto]`: a finished run's calibrated model as a standard Hugging Face model folder.
+
+`AutoModelForCausalLM.from_pretrained(out)` loads it with no project code; the calibration
+(head or temperature) sits beside the weights with a calibration.json saying what it computes,
+and `calm_lightning.CalibrationLogitsProcessor.from_pretrained(out)` applies it in `generate`.
+docs/export.md describes the folder.
+
+The arguments are a handful of scalars, parsed here as key=value (the same look as a run's
+command line) rather than through Hydra: there is nothing to compose, and a Hydra app would
+add an output directory, its own logging and a .hydra/ folder the export has no use for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from calm_lightning.errors import ConfigError, ExportError, run_command
+from calm_lightning.exported.logits_processor import CALIBRATION_FILE
+from calm_lightning.models.calibrated_lm import ADAPTER_DIR, read_calibration_record
+from calm_lightning.models.logit_adjustment import HEAD_FILE
+from calm_lightning.runtime.run_record import (
+    CALIBRATION_DIR,
+    METRICS_FILE,
+    RunRecord,
+    RunRecordError,
+    read_run,
+)
+
+log = logging.getLogger(__name__)
+
+USAGE = (
+    "usage: python -m calm_lightning.export run_dir=<run dir> out=<folder> "
+    "[merge=true|false] [overwrite=false|true] [dtype=auto|float32|bfloat16|float16]"
+)
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+FORMAT = "calm-lightning/calibration"
+FORMAT_VERSION = 1
+FORMULA = "z' = d * (z - c) + l"
+CENTERS = {
+    "none": "c = 0",
+    "logsumexp": "c = logsumexp(z) over the vocabulary (per position)",
+    "mean": "c = mean(z) over the vocabulary (per position)",
+}
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """The command line: which run, where to, and how."""
+
+    run_dir: Path
+    out: Path
+    merge: bool = True  # merge LoRA adapters into the weights; false: base + PEFT adapter folder
+    overwrite: bool = False  # replace an existing `out`
+    dtype: str = "auto"  # weights' dtype; auto = the run's (a 16-bit copy after 4-bit QLoRA)
+
+
+def parse_arguments(argv: list[str]) -> ExportOptions:
+    """key=value arguments into `ExportOptions`; anything else stops with the usage line."""
+    known = {f.name for f in fields(ExportOptions)}
+    values: dict[str, str] = {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in known:
+            raise ExportError(
+                f"unknown argument {arg!r} (arguments are key=value, keys: "
+                f"{', '.join(sorted(known))})\n{USAGE}"
+            )
+        values[key] = value
+    missing = [k for k in ("run_dir", "out") if not values.get(k)]
+    if missing:
+        raise ExportError(f"missing {' and '.join(f'{k}=' for k in missing)}\n{USAGE}")
+    options = {"run_dir": Path(values["run_dir"]), "out": Path(values["out"])}
+    for key in ("merge", "overwrite"):
+        if key in values:
+            options[key] = _boolean(key, values[key])
+    if "dtype" in values:
+        options["dtype"] = values["dtype"]
+    return ExportOptions(**options)
+
+
+def _boolean(key: str, value: str) -> bool:
+    lowered = value.lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise ExportError(f"{key}={value!r} is not true or false")
+
+
+@dataclass
+class RunToExport:
+    """What the checks found out about the run, before anything heavy is loaded."""
+
+    run_dir: Path
+    cfg: object  # the run's resolved config (DictConfig)
+    method: str
+    method_class: type
+    metrics: dict
+    base_dtype: str  # what the run loaded the base in (calibration/calibrated_lm.json)
+    base_4bit: bool
+    record: RunRecord  # the run directory as read (run_record.py)
+
+    @property
+    def calibration_dir(self) -> Path:
+        return self.run_dir / CALIBRATION_DIR
+
+    @property
+    def adapter_dir(self) -> Path | None:
+        path = self.calibration_dir / ADAPTER_DIR
+        return path if path.is_dir() else None
+
+    @property
+    def has_head(self) -> bool:
+        return (self.calibration_dir / HEAD_FILE).is_file()
+
+    @property
+    def base_model_id(self) -> str | None:
+        """The base model's Hub id where there is one (not for the in-code tiny model)."""
+        model = self.cfg.model
+        return model.get("model_id") if model.get("source") in ("hub", "embedded") else None
+
+
+def inspect_run(run_dir: str | Path, exporting: bool = True) -> RunToExport:
+    """Check that `run_dir` is a finished run of a method whose calibration can be exported.
+
+    `exporting=False` (other readers of a saved run, e.g. retention) also accepts a run of a
+    method that does not change the model: it has no calibration/ and uses the base as it is.
+    """
+    from omegaconf import OmegaConf
+
+    try:
+        saved = read_run(run_dir)
+    except RunRecordError as err:
+        raise ExportError(str(err)) from None
+    run_dir, cfg = saved.path, saved.config
+    method = str(OmegaConf.select(cfg, "method.name", default="?"))
+    cls = _method_class(cfg, method)
+    if not cls.changes_model and exporting:
+        raise ExportError(_nothing_to_export(cls, method, cfg))
+    calibration = saved.calibration_dir
+    if not calibration.is_dir() and cls.changes_model:
+        raise ExportError(
+            f"run_dir={run_dir} has no {CALIBRATION_DIR}/ folder, so there is no calibrated "
+            f"model to export: a method={method} run writes it once calibration has finished. "
+            "Was the run interrupted? Resume it with `python -m calm_lightning.run "
+            f"ckpt_path={run_dir} ...` (same overrides) or run it again."
+        )
+    if not saved.finished:
+        raise ExportError(
+            f"run_dir={run_dir} has no {METRICS_FILE}: the run stopped before its final "
+            "evaluation, whose option tokens and metrics the export records; run it again"
+        )
+    record = read_calibration_record(calibration)
+    from calm_lightning.models.loading import resolve_dtype
+
+    # Runs saved before the calibration recorded the base precision: the config's rule.
+    dtype = record.get("base_dtype") or str(resolve_dtype(cfg.model.get("dtype", "auto")))
+    quantization = cfg.model.get("quantization", "none")
+    return RunToExport(
+        run_dir=run_dir,
+        cfg=cfg,
+        method=method,
+        method_class=cls,
+        metrics=saved.summary,
+        base_dtype=dtype.removeprefix("torch."),
+        base_4bit=bool(record.get("base_4bit", quantization == "nf4")),
+        record=saved,
+    )
+
+
+def _method_class(cfg, method: str) -> type:
+    from calm_lightning.methods.base import method_class
+
+    try:
+        return method_class(cfg)
+    except ConfigError as err:
+        raise ExportError(
+            f"unknown method {method!r}: not a method of this project, so the export cannot "
+            f"tell what its run changed ({err})"
+        ) from err
+
+
+def _nothing_to_export(cls, method: str, cfg) -> str:
+    from calm_lightning.methods.base import CalibrationMethod
+
+    what = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")
+    if cls.option_probabilities is not CalibrationMethod.option_probabilities:
+        return (
+            f"method={method} has nothing to export: it does not change the model's "
+            f"probabilities; its confidence is computed at evaluation time ({what}). Only "
+            "methods that change the model (calm, iterate, reg, ls, cft, ts, daca, "
+            "dual_align) write a calibration to export."
+        )
+    return (
+        f"method={method} has nothing to export: it evaluates the model as it is ({what}); "
+        f"use the base model ({cfg.model.get('model_id') or cfg.model.get('name')}) itself."
+    )
+
+
+def target_dtype(run: RunToExport, requested: str = "auto") -> str:
+    """The weights' dtype: the one the run computed in, or a 16-bit copy after 4-bit QLoRA."""
+    if requested not in DTYPE_NAMES:
+        raise ExportError(f"dtype={requested!r} is not one of {', '.join(DTYPE_NAMES)}")
+    if requested != "auto":
+        return requested
+    if run.base_4bit:
+        return run.base_dtype if run.base_dtype in ("bfloat16", "float16") else "bfloat16"
+    return run.base_dtype
+
+
+def export_run(
+    run_dir: str | Path,
+    out: str | Path,
+    merge: bool = True,
+    overwrite: bool = False,
+    dtype: str = "auto",
+) -> Path:
+    """Write the run's calibrated model to `out` (see the module docstring); returns `out`.
+
+    Everything is written to a hidden sibling folder first and renamed to `out` at the end,
+    so a failed export leaves nothing behind (and an overwritten `out` stays intact until
+    the new one is complete).
+    """
+    out = Path(out)
+    run = inspect_run(run_dir)
+    if out.exists() and not overwrite:
+        raise ExportError(f"out={out} exists; pass overwrite=true to replace it, or another out=")
+    if out.resolve() == run.run_dir.resolve() or out.resolve() in run.run_dir.resolve().parents:
+        raise ExportError(f"out={out} would replace the run itself ({run.run_dir})")
+    dtype = target_dtype(run, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        write_folder(run, staging, merge=merge, dtype=dtype)
+        _usual_permissions(staging)
+        _publish(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    log.info("exported %s (method=%s) to %s", run.run_dir, run.method, out)
+    return out
+
+
+def _usual_permissions(folder: Path) -> None:
+    """The modes a plain mkdir / open would give (mkdtemp makes the folder private, and
+    some writers their files): the export is meant to be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Rename the finished folder to `out`, replacing an existing one only now."""
+    if out.exists():
+        replaced = out.with_name(f".{out.name}.replaced-{uuid.uuid4().hex[:8]}")
+        out.rename(replaced)
+        staging.rename(out)
+        shutil.rmtree(replaced, ignore_errors=True)
+    else:
+        staging.rename(out)
+
+
+def write_folder(run: RunToExport, folder: Path, merge: bool, dtype: str) -> None:
+    """Weights (merged, or base + adapter/), tokenizer, calibration, model card."""
+    loaded = load_base_model(run, dtype)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    head = _check_head(run, model)
+    adapter = run.adapter_dir
+    if adapter is not None and run.base_4bit:
+        log.warning(
+            "The run trained 4-bit QLoRA adapters; they are applied to a %s copy of the base "
+            "model (the exported numbers differ slightly from the run's 4-bit ones).",
+            dtype,
+        )
+    if adapter is not None and merge:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    _save_model(model, folder)
+    if adapter is not None and not merge:
+        _copy_adapter(adapter, folder / ADAPTER_DIR, run.base_model_id)
+    tokenizer.save_pretrained(folder)
+    if head is not None:
+        shutil.copyfile(run.calibration_dir / HEAD_FILE, folder / HEAD_FILE)
+    info = calibration_info(run, tokenizer, head, merged=adapter is not None and merge, dtype=dtype)
+    (folder / CALIBRATION_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    from calm_lightning.exported.model_card import write_model_card
+
+    write_model_card(run, folder, info)
+
+
+def load_base_model(run: RunToExport, dtype: str):
+    """The run's base model, unquantized, at `dtype`, with its tokenizer."""
+    from omegaconf import OmegaConf
+
+    from calm_lightning.models.loading import DTYPES, load_language_model
+
+    model_cfg = OmegaConf.to_container(run.cfg.model, resolve=True)
+    model_cfg.update(dtype=dtype, quantization="none")
+    loaded = load_language_model(model_cfg)
+    if loaded.model.dtype != DTYPES[dtype]:  # the in-code tiny model is built in fp32
+        loaded.model.to(DTYPES[dtype])
+    loaded.model.eval()
+    return loaded
+
+
+def _check_head(run: RunToExport, model):
+    """The run's head, after checking it fits the model's output layer."""
+    if not run.has_head:
+        return None
+    from calm_lightning.models.logit_adjustment import LogitAdjustment
+
+    head = LogitAdjustment.load(run.calibration_dir)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if head.vocab_size != vocab:
+        raise ExportError(
+            f"the run's head has {head.vocab_size} entries but the base model's output layer "
+            f"has {vocab}: {run.calibration_dir} does not belong to this base model"
+        )
+    return head
+
+
+def _save_model(model, folder: Path) -> None:
+    from calm_lightning.models.embedded import strip_gguf_quantizer
+
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if str(getattr(method, "value", method)).lower() == "gguf":
+        # Weights loaded from a GGUF file are plain tensors, but the marker makes
+        # save_pretrained refuse; the embedded model's conversion clears it the same way.
+        strip_gguf_quantizer(model)
+    model.config.use_cache = True  # runs switch it off for training; generation wants it
+    model.save_pretrained(folder)
+
+
+def _copy_adapter(source: Path, target: Path, base_model_id: str | None) -> None:
+    """The run's PEFT adapter, pointing at the base model's Hub id (not a local cache path)."""
+    target.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(source / name, target / name)
+    config_file = target / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = base_model_id
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def prompt_format(tokenizer, max_length: int, scoring: str = "letter", cloze=None) -> dict:
+    """How a multiple-choice prompt is built and scored (data/prompts.py, evaluation/cloze.py),
+    spelled out for any user."""
+    from calm_lightning.data.prompts import MCQA_INSTRUCTION, PLAIN_SYSTEM
+
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    if scoring == "cloze":
+        cloze = dict(cloze or {})
+        prompt = cloze.get("prompt", "chat")
+        return {
+            "scoring": "cloze",
+            "template": prompt,
+            "context": "tokenizer.apply_chat_template([{'role': 'user', 'content': question}, "
+            "{'role': 'assistant', 'content': option}], tokenize=False) cut where the option "
+            "text starts"
+            if prompt == "chat"
+            else "'Question: {question}\nAnswer:'",
+            "continuation": "'{option}'" if prompt == "chat" else "' {option}'",
+            "option_score": "sum over the continuation tokens of log softmax(z') of each token "
+            "(z' = the head applied to that position's logits), as lm-eval's loglikelihood",
+            "normalize": cloze.get("normalize", "none"),
+            "probabilities": "softmax over the options of the (normalized) option scores",
+            "add_special_tokens": False,
+            "max_length": max_length,
+        }
+    return {
+        "scoring": "letter",
+        "user_text": "{question}\n\n{options}\n\n" + MCQA_INSTRUCTION,
+        "options": "one line per option, '{letter}. {text}', joined by '\\n'",
+        "letters": "the option letters but the last joined by ', ', then ' or ' and the "
+        "last (A, B, C or D)",
+        "template": "chat" if chat else "plain",
+        "chat": "tokenizer.apply_chat_template([{'role': 'user', 'content': user_text}], "
+        "tokenize=False, add_generation_prompt=True)",
+        "plain": None if chat else "{bos}" + PLAIN_SYSTEM + " USER: {user_text} ASSISTANT:",
+        "add_special_tokens": False,
+        "scored_position": "the next token after the prompt (the answer slot)",
+        "max_length": max_length,
+    }
+
+
+def calibration_info(run: RunToExport, tokenizer, head, merged: bool, dtype: str) -> dict:
+    """calibration.json: what the head computes, for which method, tokens and prompt."""
+    head_info = None
+    if head is not None:
+        head_info = {
+            "file": HEAD_FILE,
+            "kind": head.kind,
+            "center": head.center,
+            "vocab_size": head.vocab_size,
+            "tensors": {"d": "scale", "l": "bias"},
+        }
+        if run.method_class.head == "temperature":
+            head_info["temperature"] = 1.0 / float(head.scale.item())
+    formula = {
+        "formula": FORMULA if head is not None else "z' = z (no head: the weights carry it)",
+        "terms": {
+            "z": "the model's next-token logits (one position, full vocabulary)",
+            "d": "per-token scale (vector head) or one number (scalar head); a post-hoc "
+            "temperature T is the scalar head d = 1 / T, l = 0, c = 0",
+            "l": "per-token bias (vector head) or one number (scalar head)",
+            "c": CENTERS[head.center] if head is not None else None,
+        },
+        "probabilities": "softmax(z') over the vocabulary when generating; for multiple-choice "
+        "scoring see `prompt` (the option letters' token ids at the answer slot, or each "
+        "option text's likelihood)",
+    }
+    option_tokens = run.metrics.get("option_tokens")
+    from calm_lightning import __version__
+
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "calm_lightning_version": __version__,
+        "method": {
+            "name": run.method,
+            "class": str(run.cfg.method.module._target_),
+            "fitted": run.metrics.get("posthoc"),
+        },
+        "head": head_info,
+        **formula,
+        "weights": {
+            "adapter": None if run.adapter_dir is None else ("merged" if merged else ADAPTER_DIR),
+            "dtype": dtype,
+            "trained_on_4bit_base": run.base_4bit,
+        },
+        "base_model": run.base_model_id,
+        "option_tokens": option_tokens,
+        "prompt": prompt_format(
+            tokenizer,
+            int(run.cfg.setting.get("eval_max_length") or 1024),
+            str(run.cfg.get("evaluation", {}).get("scoring", "letter")),
+            run.cfg.get("evaluation", {}).get("cloze"),
+        ),
+        "run": {
+            "model": run.cfg.model.name,
+            "setting": run.cfg.setting.name,
+            "seed": run.cfg.get("seed"),
+            "run_dir": str(run.run_dir.resolve()),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; errors the user can fix print their message without a traceback."""
+
+    def action(args: list[str]) -> str:
+        options = parse_arguments(args)
+        out = export_run(**{f.name: getattr(options, f.name) for f in fields(ExportOptions)})
+        return f"exported to {out} (see {out / 'README.md'})"
+
+    return run_command(argv, __doc__.split("\n\n")[0], USAGE, action)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
