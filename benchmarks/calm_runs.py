@@ -17,7 +17,7 @@ import re
 import statistics
 from pathlib import Path
 
-from calm_lightning.run_record import read_run
+from calm_lightning.runtime.run_record import read_run
 
 TRAJECTORY = ["entropy", "lambda", "q", "q_rel", "g", "d_mean"]
 

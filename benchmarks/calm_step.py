@@ -85,7 +85,7 @@ def worker(args) -> dict:
 
     from calm_lightning.methods.calm import CALM
     from calm_lightning.methods.objectives import cross_entropy, select_response_logits
-    from calm_lightning.methods.supervised import Regularization
+    from calm_lightning.methods.single_level import Regularization
     from calm_lightning.models.calibrated_lm import CalibratedLM
     from calm_lightning.models.loading import load_language_model
     from calm_lightning.models.logit_adjustment import LogitAdjustment

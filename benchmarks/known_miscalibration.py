@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from calm_lightning.run_record import is_run_dir, read_run
+from calm_lightning.runtime.run_record import is_run_dir, read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"demo": "OOD", "demo_id": "ID"}
