@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.lm_eval_retention import RetentionStep
 from calm_lightning.evaluation.results import format_table, run_meta
+from calm_lightning.evaluation.scorers import scorer_from_config
 from calm_lightning.methods.base import CalibrationMethod, method_class
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.loading import LoadedModel, load_language_model
@@ -50,16 +51,21 @@ from calm_lightning.runtime.timing import Stopwatch
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
 
-def build_datamodule(cfg: DictConfig, tokenizer=None):
-    """The setting's data module (sources instantiated from `setting.train/heldout/test`;
-    nothing is read until `load_records` or a loader asks)."""
-    from calm_lightning.data.datamodule import CalibrationDataModule
-
+def build_sources(cfg: DictConfig) -> dict:
+    """The setting's data sources (`setting.train/heldout/test`; nothing is read yet)."""
     setting = cfg.setting
-    sources = {
+    return {
         split: instantiate(setting[split]) if setting.get(split) is not None else None
         for split in ("train", "heldout", "test")
     }
+
+
+def build_datamodule(cfg: DictConfig, tokenizer=None, sources: dict | None = None):
+    """The setting's data module (nothing is read until `load_records` or a loader asks)."""
+    from calm_lightning.data.datamodule import CalibrationDataModule
+
+    setting = cfg.setting
+    sources = build_sources(cfg) if sources is None else sources
     return CalibrationDataModule(
         tokenizer=tokenizer,
         batch_size=setting.batch_size,
@@ -69,8 +75,7 @@ def build_datamodule(cfg: DictConfig, tokenizer=None):
         eval_max_length=setting.eval_max_length,
         num_workers=setting.num_workers,
         seed=cfg.seed,
-        mcqa_format=cfg.evaluation.get("scoring", "letter"),
-        cloze_prompt=cfg.evaluation.get("cloze", {}).get("prompt", "chat"),
+        **scorer_from_config(cfg.evaluation).data_options(),
         **sources,
     )
 
@@ -88,12 +93,9 @@ def build_method(cfg: DictConfig, loaded: LoadedModel) -> CalibrationMethod:
         cfg.method.module,
         model=model,
         tokenizer=loaded.tokenizer,
-        option_tokens=cfg.evaluation.option_tokens,
-        probe_size=cfg.evaluation.probe_size,
         n_bins=cfg.evaluation.n_bins,
         openqa=cfg.evaluation.openqa,
-        scoring=cfg.evaluation.get("scoring", "letter"),
-        cloze=cfg.evaluation.get("cloze"),
+        scoring=scorer_from_config(cfg.evaluation),
         _convert_="all",
     )
 
@@ -134,9 +136,9 @@ def run_experiment(cfg: DictConfig) -> RunResult:
         write_config(out, cfg)
         log_method_setting(method_setting)
     # validate: every value and requirement, before any data or weights are read
-    cls = method_class(cfg)
-    datamodule = build_datamodule(cfg)
-    check_config(cfg, cls, datamodule.sources)
+    cls, sources = method_class(cfg), build_sources(cfg)
+    check_config(cfg, cls, sources)
+    datamodule = build_datamodule(cfg, sources=sources)
     ckpt_path = checkpoint_path(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     # build: the data (read and checked) and the retention tasks' data, then the trainer,

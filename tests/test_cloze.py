@@ -147,7 +147,9 @@ def test_an_unknown_scoring_is_refused(compose, tmp_path):
     from calm_lightning.pipeline import method_class
 
     cfg = compose(["method=base", "evaluation.scoring=lettre"], tmp_path)
-    with pytest.raises(ConfigError, match="evaluation.scoring=lettre"):
+    with pytest.raises(
+        ConfigError, match="evaluation.scoring='lettre' is not one of letter, cloze"
+    ):
         method_class(cfg).check_requirements(cfg, {})
 
 

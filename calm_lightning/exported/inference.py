@@ -11,10 +11,9 @@ from pathlib import Path
 
 import torch
 
-from calm_lightning.data.collate import MCQACollator
 from calm_lightning.data.prompts import render_prompt
-from calm_lightning.data.records import MCQARecord
-from calm_lightning.evaluation.mcqa import OptionTokens, option_token_candidates, score_options
+from calm_lightning.evaluation.mcqa import OptionTokens, option_token_candidates
+from calm_lightning.evaluation.scorers import scorer_from_prompt
 from calm_lightning.exported.logits_processor import CalibrationLogitsProcessor, read_calibration
 from calm_lightning.models.calibrated_lm import ADAPTER_DIR, CalibratedLM
 
@@ -52,27 +51,15 @@ class CalibratedModel:
         (cloze runs) each option text's likelihood after the question; through the head, then
         a softmax."""
         prompt = self.calibration.get("prompt", {})
-        if prompt.get("scoring") == "cloze":
-            from calm_lightning.evaluation.cloze import score_cloze
-
-            scores = score_cloze(
-                self._scorer,
-                self.tokenizer,
-                [question],
-                [list(options)],
-                prompt.get("template", "chat"),
-                prompt.get("max_length"),
-            )
-            logits = scores.logits(prompt.get("normalize", "none"))
-            return torch.softmax(logits, dim=-1)[0].tolist()
-        record = MCQARecord(id="question", question=question, choices=tuple(options), answer=0)
-        max_length = self.calibration.get("prompt", {}).get("max_length") or 1024
-        batch = MCQACollator(self.tokenizer, max_length=max_length)([record])
-        batch = {
-            k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-        }
-        logits = score_options(self._scorer, batch, self.option_tokens(len(options)))
-        return torch.softmax(logits.double(), dim=-1)[0].tolist()
+        logits = scorer_from_prompt(prompt).score_question(
+            self._scorer,
+            self.tokenizer,
+            question,
+            list(options),
+            self.option_tokens(len(options)),
+            prompt.get("max_length"),
+        )
+        return torch.softmax(logits.double(), dim=-1).tolist()
 
     @torch.no_grad()
     def generate(self, prompt: str, chat: bool = True, **generate_kwargs) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from calm_lightning.errors import ConfigError, ExportError, run_command
+from calm_lightning.evaluation.scorers import scorer_from_config
 from calm_lightning.exported.logits_processor import CALIBRATION_FILE
 from calm_lightning.models.calibrated_lm import ADAPTER_DIR, read_calibration_record
 from calm_lightning.models.logit_adjustment import HEAD_FILE
@@ -354,47 +355,6 @@ def _copy_adapter(source: Path, target: Path, base_model_id: str | None) -> None
     config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def prompt_format(tokenizer, max_length: int, scoring: str = "letter", cloze=None) -> dict:
-    """How a multiple-choice prompt is built and scored (data/prompts.py, evaluation/cloze.py),
-    spelled out for any user."""
-    from calm_lightning.data.prompts import MCQA_INSTRUCTION, PLAIN_SYSTEM
-
-    chat = bool(getattr(tokenizer, "chat_template", None))
-    if scoring == "cloze":
-        cloze = dict(cloze or {})
-        prompt = cloze.get("prompt", "chat")
-        return {
-            "scoring": "cloze",
-            "template": prompt,
-            "context": "tokenizer.apply_chat_template([{'role': 'user', 'content': question}, "
-            "{'role': 'assistant', 'content': option}], tokenize=False) cut where the option "
-            "text starts"
-            if prompt == "chat"
-            else "'Question: {question}\nAnswer:'",
-            "continuation": "'{option}'" if prompt == "chat" else "' {option}'",
-            "option_score": "sum over the continuation tokens of log softmax(z') of each token "
-            "(z' = the head applied to that position's logits), as lm-eval's loglikelihood",
-            "normalize": cloze.get("normalize", "none"),
-            "probabilities": "softmax over the options of the (normalized) option scores",
-            "add_special_tokens": False,
-            "max_length": max_length,
-        }
-    return {
-        "scoring": "letter",
-        "user_text": "{question}\n\n{options}\n\n" + MCQA_INSTRUCTION,
-        "options": "one line per option, '{letter}. {text}', joined by '\\n'",
-        "letters": "the option letters but the last joined by ', ', then ' or ' and the "
-        "last (A, B, C or D)",
-        "template": "chat" if chat else "plain",
-        "chat": "tokenizer.apply_chat_template([{'role': 'user', 'content': user_text}], "
-        "tokenize=False, add_generation_prompt=True)",
-        "plain": None if chat else "{bos}" + PLAIN_SYSTEM + " USER: {user_text} ASSISTANT:",
-        "add_special_tokens": False,
-        "scored_position": "the next token after the prompt (the answer slot)",
-        "max_length": max_length,
-    }
-
-
 def calibration_info(run: RunToExport, tokenizer, head, merged: bool, dtype: str) -> dict:
     """calibration.json: what the head computes, for which method, tokens and prompt."""
     head_info = None
@@ -442,11 +402,8 @@ def calibration_info(run: RunToExport, tokenizer, head, merged: bool, dtype: str
         },
         "base_model": run.base_model_id,
         "option_tokens": option_tokens,
-        "prompt": prompt_format(
-            tokenizer,
-            int(run.cfg.setting.get("eval_max_length") or 1024),
-            str(run.cfg.get("evaluation", {}).get("scoring", "letter")),
-            run.cfg.get("evaluation", {}).get("cloze"),
+        "prompt": scorer_from_config(run.cfg.get("evaluation")).prompt_format(
+            tokenizer, int(run.cfg.setting.get("eval_max_length") or 1024)
         ),
         "run": {
             "model": run.cfg.model.name,

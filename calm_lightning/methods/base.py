@@ -25,13 +25,12 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 
-from calm_lightning.data.prompts import OPTION_LETTERS
 from calm_lightning.data.records import OpenQARecord
 from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.cloze import ClozeSettings, score_cloze
-from calm_lightning.evaluation.mcqa import OptionTokens, choose_option_tokens, score_options
+from calm_lightning.evaluation.mcqa import OptionTokens
 from calm_lightning.evaluation.openqa import OpenQAPredictions, OpenQASettings, score_openqa_batch
 from calm_lightning.evaluation.results import mcqa_evaluation, plot_mcqa_reliability
+from calm_lightning.evaluation.scorers import MCQAScorer, scorer_from_config
 from calm_lightning.metrics.calibration import calibration_report
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
@@ -43,9 +42,6 @@ from calm_lightning.runtime.distributed import gather_objects, world
 # scalar temperature d = 1 / T over the untouched logits (post-hoc temperature methods).
 HEAD_NONE, HEAD_CONFIGURED, HEAD_TEMPERATURE = None, "configured", "temperature"
 TEMPERATURE_HEAD = {"kind": "scalar", "center": "none"}
-SCORINGS = ("letter", "cloze")
-# Stands in for the letter tokens in the result files of a cloze evaluation.
-CLOZE_OPTION_TOKENS = OptionTokens("cloze", (), OPTION_LETTERS)
 
 
 @dataclass
@@ -102,9 +98,10 @@ class CalibrationMethod(L.LightningModule):
     # Whether `calibrate` changes the model: the run then scores the untouched model first
     # (the base row) and saves what changed under calibration/.
     changes_model: ClassVar[bool] = False
-    # Whether the method works with `evaluation.scoring=cloze` (option-likelihood scoring), and
-    # if not, why (shown with the refusal, before any model loads).
-    supports_cloze: ClassVar[bool] = False
+    # The MCQA scorers (evaluation/scorers.py) the method works with, and why not cloze
+    # (option-likelihood scoring) when it does not (shown with the refusal, before any model
+    # loads).
+    scorers: ClassVar[tuple[str, ...]] = ("letter",)
     cloze_refusal: ClassVar[str] = ""
 
     def __init__(
@@ -115,18 +112,24 @@ class CalibrationMethod(L.LightningModule):
         probe_size: int = 8,
         n_bins: int = 10,
         openqa: OpenQASettings | dict | None = None,
-        scoring: str = "letter",
-        cloze: ClozeSettings | dict | None = None,
+        scoring: MCQAScorer | str = "letter",
+        cloze: dict | None = None,
     ) -> None:
+        """`scoring`: the MCQA scorer (the pipeline builds it once from `evaluation`), or its
+        name, then built here from `option_tokens`, `probe_size` and `cloze` (direct use)."""
         super().__init__()
-        if scoring not in SCORINGS:
-            raise ConfigError(f"evaluation.scoring={scoring!r} is not one of {SCORINGS}")
-        self.scoring = scoring
-        self.cloze = cloze if isinstance(cloze, ClozeSettings) else ClozeSettings(**(cloze or {}))
+        if not isinstance(scoring, MCQAScorer):
+            scoring = scorer_from_config(
+                {
+                    "scoring": scoring,
+                    "cloze": cloze,
+                    "option_tokens": option_tokens,
+                    "probe_size": probe_size,
+                }
+            )
+        self.scorer = scoring
         self.model = model
         self.tokenizer = tokenizer
-        self.option_token_style = option_tokens
-        self.probe_size = probe_size
         self.n_bins = n_bins
         self.option_tokens: OptionTokens | None = None
         self.predictions: MCQAPredictions | OpenQAPredictions | None = None
@@ -142,9 +145,10 @@ class CalibrationMethod(L.LightningModule):
         loader = self.trainer.test_dataloaders
         return loader[0] if isinstance(loader, list | tuple) else loader
 
-    def _probe_batch(self) -> dict | None:
+    def probe_batch(self, size: int) -> dict | None:
+        """The first `size` test questions as one batch (for choosing the option tokens)."""
         loader = self._test_loader()
-        records = [loader.dataset[i] for i in range(min(self.probe_size, len(loader.dataset)))]
+        records = [loader.dataset[i] for i in range(min(size, len(loader.dataset)))]
         if not records:
             return None
         return move_data_to_device(loader.collate_fn(records), self.device)
@@ -157,14 +161,7 @@ class CalibrationMethod(L.LightningModule):
         self._open_ended = len(dataset) > 0 and isinstance(dataset[0], OpenQARecord)
         if self._open_ended:
             return
-        if self.scoring == "cloze":
-            self.option_tokens = CLOZE_OPTION_TOKENS
-        elif self.option_tokens is None:
-            probe = self._probe_batch()
-            n_options = probe["n_options"] if probe else 4
-            self.option_tokens = choose_option_tokens(
-                self.model, self.tokenizer, probe, self.option_token_style, n_options
-            )
+        self.option_tokens = self.scorer.test_option_tokens(self)
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         # The test loader hands whole batches to the processes in turn (data module): this
@@ -182,7 +179,7 @@ class CalibrationMethod(L.LightningModule):
             return
         before = len(self._acc_norm_rows)
         probs, predicted = self.option_probabilities(batch)
-        acc_norm = self._acc_norm_rows[before:]  # what cloze scoring recorded for this batch
+        acc_norm = self._acc_norm_rows[before:]  # the scorer's side choices for this batch
         del self._acc_norm_rows[before:]
         self._test_rows.append(
             (
@@ -212,26 +209,10 @@ class CalibrationMethod(L.LightningModule):
         """(B, K) option probabilities and, for methods that state their answer apart from
         the probabilities, the (B,) answers (None = the argmax). Methods that produce their
         confidence differently (IC, CAPE, elicitation) override this, nothing else."""
-        if self.scoring == "cloze":
-            return torch.softmax(self.cloze_logits(batch), dim=-1), None
-        logits = score_options(self.model, batch, self.option_tokens)
+        logits, side = self.scorer.option_logits(self, batch)
+        if side is not None:  # e.g. cloze's acc_norm choice, for `extra_metrics`
+            self._acc_norm_rows.append((side, batch["labels"].cpu()))
         return torch.softmax(logits.double(), dim=-1), None
-
-    def cloze_logits(self, batch: dict) -> torch.Tensor:
-        """(B, K) float64 option logits by option likelihood under the calibrated model, per
-        `evaluation.cloze.normalize`; records lm-eval's acc_norm choice on the side."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
-        scores = score_cloze(
-            self.model,
-            self.tokenizer,
-            batch["questions"],
-            batch["choices"],
-            self.cloze.prompt,
-            # The setting's longest MCQA prompt, as letter scoring cuts it (from the left).
-            getattr(datamodule, "eval_max_length", None),
-        )
-        self._acc_norm_rows.append((scores.acc_norm_predictions(), batch["labels"].cpu()))
-        return scores.logits(self.cloze.normalize)
 
     def on_test_epoch_end(self) -> None:
         batches = self._gathered_rows()
@@ -260,13 +241,12 @@ class CalibrationMethod(L.LightningModule):
             probs, labels = probs[keep], labels[keep]
             predicted = None if predicted is None else predicted[keep]
         extra = {}
-        if self.scoring == "cloze" and acc_norm:
-            # lm-eval's acc_norm (argmax of log-likelihood per character), whatever normalize is.
+        if acc_norm:
             chosen = torch.cat([p for p, _ in acc_norm])
             gold = torch.cat([y for _, y in acc_norm])
             if len(keep) < len(chosen):
                 chosen, gold = chosen[keep], gold[keep]
-            extra["acc_norm"] = float((chosen == gold).double().mean())
+            extra.update(self.scorer.extra_metrics(chosen, gold))
         return MCQAPredictions(ids, probs, labels, self.option_tokens, predicted, extra)
 
     def check_arguments(self, **values) -> None:
@@ -286,14 +266,12 @@ class CalibrationMethod(L.LightningModule):
     def check_requirements(cls, cfg, sources: dict) -> None:
         """Refuse a method / setting pair that cannot work, before any model is loaded."""
         method, setting = cfg.method.name, cfg.setting.name
-        scoring = cfg.get("evaluation", {}).get("scoring", "letter")
-        if scoring not in SCORINGS:
-            raise ConfigError(f"evaluation.scoring={scoring} is not one of {', '.join(SCORINGS)}")
-        if scoring == "cloze" and not cls.supports_cloze:
+        scorer = scorer_from_config(cfg.get("evaluation"))
+        if scorer.name not in cls.scorers:
             raise ConfigError(
-                f"method={method} does not support evaluation.scoring=cloze: "
+                f"method={method} does not support evaluation.scoring={scorer.name}: "
                 f"{cls.cloze_refusal or 'it scores the option letters'}; use "
-                "evaluation.scoring=letter"
+                f"evaluation.scoring={cls.scorers[0]}"
             )
         kind = getattr(sources.get("train"), "kind", None)
         if cls.train_kinds is not None and kind not in cls.train_kinds:
@@ -371,7 +349,7 @@ class PosthocTemperature(CalibrationMethod):
 class BaseMethod(CalibrationMethod):
     """The aligned model as it is (the paper's DPO / RLHF row): no training."""
 
-    supports_cloze = True
+    scorers = ("letter", "cloze")
 
 
 def method_class(cfg) -> type[CalibrationMethod]:

@@ -146,8 +146,8 @@ class ReferenceTemperature(PosthocTemperature):
             "version": LENS_CACHE_VERSION,
             "polm": identity(self.model_cfg),
             "plm": identity(self.reference_cfg),
-            "option_tokens": self.option_token_style,
-            "probe_size": self.probe_size,
+            "option_tokens": self.scorer.option_token_style,
+            "probe_size": self.scorer.probe_size,
             "with_embeddings": self.with_embeddings,
             "reference_prompt": self.reference_prompt,
             "max_length": max_length,
@@ -237,7 +237,11 @@ class ReferenceTemperature(PosthocTemperature):
     def predict_step(self, batch: dict, batch_idx: int) -> None:
         if self.option_tokens is None:
             self.option_tokens = choose_option_tokens(
-                self.model, self.tokenizer, batch, self.option_token_style, batch["n_options"]
+                self.model,
+                self.tokenizer,
+                batch,
+                self.scorer.option_token_style,
+                batch["n_options"],
             )
         if self._reference is None:
             self._reference = self._load_reference(batch["n_options"])

@@ -115,7 +115,7 @@ class SingleLevelMethod(TrainingMethod):
         answer text's in cloze mode) comes free in cloze mode (same forward); otherwise it is
         computed only when `answer_ce` asks."""
         if self.mode == "cloze":
-            scored = cloze_predictions(self.model, batch, self.cloze.normalize)
+            scored = cloze_predictions(self.model, batch, self.scorer.normalize)
             return Scored(scored.answer_ce, scored.logits, scored.targets, scored.answer_tokens)
         raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
         logits, targets = adjusted_predictions(

@@ -16,15 +16,8 @@ from typing import ClassVar
 import torch
 from torch.utils.data import DataLoader
 
-from calm_lightning.calibrators.cloze_temperature import (
-    fit_cloze_temperature,
-    temperature_scales,
-    temperature_terms,
-)
-from calm_lightning.calibrators.temperature import BOUNDS, fit_temperature
+from calm_lightning.calibrators.temperature import fit_temperature
 from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.cloze import ClozeScores
-from calm_lightning.evaluation.mcqa import choose_option_tokens, score_options
 from calm_lightning.methods.base import PosthocTemperature
 from calm_lightning.methods.objectives import select_response_logits
 from calm_lightning.runtime.config_checks import Number
@@ -40,7 +33,7 @@ class TemperatureScaling(PosthocTemperature):
     every continuation token's logits). There T can change the accuracy: the temperature acts
     on each token before the per-option sum, which may reorder options of different lengths."""
 
-    supports_cloze = True
+    scorers = ("letter", "cloze")
     config_rules: ClassVar[dict] = {
         "calibration_fraction": Number(minimum=0, maximum=1, exclusive_minimum=True),
         "max_positions": Number(minimum=1, integer=True),
@@ -91,29 +84,9 @@ class TemperatureScaling(PosthocTemperature):
         head = self.model.head
         self.model.head = None  # fit on the model's own logits, not through the current head
         try:
-            if self._kind == "mcqa" and self.scoring == "cloze":
-                self._scales = temperature_scales(BOUNDS)
-                scores, lse = temperature_terms(
-                    self.model,
-                    self.tokenizer,
-                    batch["questions"],
-                    batch["choices"],
-                    self._scales,
-                    self.cloze.prompt,
-                    getattr(self.trainer.datamodule, "eval_max_length", None),
-                )
-                self._rows.append((scores, lse))
-                self._targets.append(batch["labels"].cpu())
-            elif self._kind == "mcqa":
-                if self.option_tokens is None:
-                    self.option_tokens = choose_option_tokens(
-                        self.model,
-                        self.tokenizer,
-                        batch,
-                        self.option_token_style,
-                        batch["n_options"],
-                    )
-                self._rows.append(score_options(self.model, batch, self.option_tokens).cpu())
+            if self._kind == "mcqa":
+                # The scorer's own option distribution (letters, or option likelihood).
+                self._rows.append(self.scorer.temperature_rows(self, batch))
                 self._targets.append(batch["labels"].cpu())
             else:
                 raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
@@ -140,29 +113,18 @@ class TemperatureScaling(PosthocTemperature):
 
     def fit_posthoc(self) -> dict:
         """Fit T on what the predict pass collected and install d = 1 / T."""
-        cloze = self._kind == "mcqa" and self.scoring == "cloze"
         labels = torch.cat(self._targets)
-        if cloze:
-            scores = ClozeScores(
-                *(torch.cat([getattr(s, f) for s, _ in self._rows]) for f in ClozeScores.FIELDS)
-            )
-            lse = torch.cat([t for _, t in self._rows])
-            fit = fit_cloze_temperature(
-                scores, lse, labels, self._scales, self.cloze.normalize, BOUNDS
-            )
-        else:
-            logits = torch.cat(self._rows)
-            if self._kind != "mcqa":  # the reservoir buffer may not be full
-                logits, labels = logits[: self._seen], labels[: self._seen]
+        if self._kind == "mcqa":
+            fit = self.scorer.fit_temperature(self._rows, labels)
+        else:  # the reservoir buffer may not be full
+            logits, labels = self._rows[0][: self._seen], labels[: self._seen]
             fit = fit_temperature(logits, labels)
         with torch.no_grad():
             self.model.head.scale.fill_(1.0 / fit.temperature)
             self.model.head.bias.zero_()
         self.fit_info = {
             "temperature": fit.temperature,
-            "fitted_on": "mcqa_calibration_half_cloze"
-            if cloze
-            else "mcqa_calibration_half"
+            "fitted_on": self.scorer.fitted_on
             if self._kind == "mcqa"
             else "heldout_response_tokens",
             "n": fit.n,

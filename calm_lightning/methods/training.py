@@ -78,7 +78,7 @@ class TrainingMethod(CalibrationMethod):
     changes_model = True
     # With cloze scoring, MCQA training data trains on the answer text and option-level
     # objectives read the cloze option distribution (`resolve_mode`, objectives.py).
-    supports_cloze = True
+    scorers = ("letter", "cloze")
     config_rules: ClassVar[dict] = {
         "warmup_ratio": Number(minimum=0, maximum=1),
         "min_lr_ratio": Number(minimum=0, maximum=1),
@@ -154,8 +154,8 @@ class TrainingMethod(CalibrationMethod):
         mcqa = self.data_kind(split) == "mcqa"
         if requested == "auto":
             requested = "options" if mcqa else "vocab"
-        if requested == "options" and mcqa and self.scoring == "cloze":
-            return "cloze"
+        if requested == "options" and mcqa:
+            return self.scorer.option_mode
         return requested
 
     @staticmethod
@@ -167,7 +167,7 @@ class TrainingMethod(CalibrationMethod):
     def scored(self, batch: dict, mode: str, params=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`objectives.predictions` with this method's option ids and cloze normalisation."""
         return predictions(
-            self.model, batch, mode, self.option_ids, params=params, normalize=self.cloze.normalize
+            self.model, batch, mode, self.option_ids, params=params, normalize=self.scorer.normalize
         )
 
     def set_option_ids(self, *modes: str) -> None:
@@ -179,7 +179,8 @@ class TrainingMethod(CalibrationMethod):
         from calm_lightning.evaluation.mcqa import option_token_candidates
 
         candidates = option_token_candidates(self.tokenizer)
-        style = self.option_token_style if self.option_token_style in candidates else None
+        style = self.scorer.option_token_style
+        style = style if style in candidates else None
         self.option_ids = candidates[style or next(iter(candidates))].tensor(self.device)
 
     # ----- data parallelism (runtime/distributed.py; identities on one process) -----

@@ -125,10 +125,10 @@ def evaluation_rules() -> dict:
     from calm_lightning.evaluation.cloze import NORMALIZE
     from calm_lightning.evaluation.mcqa import STYLES
     from calm_lightning.evaluation.openqa import CONFIDENCES
-    from calm_lightning.methods.base import SCORINGS
+    from calm_lightning.evaluation.scorers import SCORERS
 
     return {
-        "scoring": OneOf(SCORINGS),
+        "scoring": OneOf(tuple(SCORERS)),
         "cloze.normalize": OneOf(NORMALIZE),
         "cloze.prompt": OneOf(PROMPTS),
         "option_tokens": OneOf(STYLES),

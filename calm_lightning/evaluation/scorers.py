@@ -1,0 +1,266 @@
+"""MCQA scoring as a component: how a multiple-choice question's options get logits.
+
+Two implementations of one interface, chosen once from the config (`scorer_from_config`):
+
+* `LetterScorer` (`evaluation.scoring=letter`, the CALM paper's protocol): the next-token
+  logits of the option letters at the answer slot (evaluation/mcqa.py);
+* `ClozeScorer` (`evaluation.scoring=cloze`, lm-eval-harness's way): each option text's
+  log-likelihood as the continuation of the question (evaluation/cloze.py).
+
+Methods, the training objectives, temperature fitting, the data module and the export ask the
+scorer (its option logits, the objective mode that reads its option distribution, how MCQA
+records train, how to fit a temperature on its distribution, its prompt format) instead of
+testing a flag.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from calm_lightning.calibrators.temperature import BOUNDS, TemperatureFit, fit_temperature
+from calm_lightning.data.prompts import OPTION_LETTERS
+from calm_lightning.evaluation.cloze import ClozeScores, ClozeSettings, score_cloze
+from calm_lightning.evaluation.mcqa import OptionTokens, choose_option_tokens, score_options
+
+# Stands in for the letter tokens in the result files of a cloze evaluation.
+CLOZE_OPTION_TOKENS = OptionTokens("cloze", (), OPTION_LETTERS)
+
+
+class MCQAScorer:
+    """The interface; `module` is the CalibrationMethod scoring (its model, tokenizer, device,
+    trainer and chosen option tokens)."""
+
+    name: ClassVar[str]
+    # The objectives' mode that reads the option distribution this scorer evaluates.
+    option_mode: ClassVar[str]
+    # What `fit_on` records in metrics.json after a temperature fit on MCQA held-out data.
+    fitted_on: ClassVar[str]
+    # The option letters' spelling (letter targets of training objectives; `auto` asks the model).
+    option_token_style: str = "auto"
+    # How many test questions `auto` probes for the spelling.
+    probe_size: int = 8
+    # How an option's summed log-likelihood becomes its logit (cloze only; `none` = the sum).
+    normalize: str = "none"
+
+    def data_options(self) -> dict:
+        """How MCQA records train and feed held-out objectives (the data module's arguments)."""
+        raise NotImplementedError
+
+    def test_option_tokens(self, module) -> OptionTokens:
+        """The option tokens the test split is scored with (recorded in the result files)."""
+        raise NotImplementedError
+
+    def option_logits(self, module, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, K) option logits under the calibrated model, and (cloze) lm-eval's acc_norm
+        choice per question (None when the scorer has none)."""
+        raise NotImplementedError
+
+    def extra_metrics(self, chosen: torch.Tensor, gold: torch.Tensor) -> dict:
+        """Metrics beyond the calibration report, from the side choices `option_logits` made."""
+        return {}
+
+    def temperature_rows(self, module, batch: dict):
+        """What a temperature fit keeps of one held-out batch (on the model's own logits)."""
+        raise NotImplementedError
+
+    def fit_temperature(self, rows: list, labels: torch.Tensor) -> TemperatureFit:
+        """T minimising the NLL of this scorer's option distribution over the kept rows."""
+        raise NotImplementedError
+
+    def prompt_format(self, tokenizer, max_length: int) -> dict:
+        """How a question is built and scored, spelled out for a user of an exported model."""
+        raise NotImplementedError
+
+    def score_question(self, model, tokenizer, question, options, option_tokens, max_length):
+        """(K,) option logits of one question (an exported model's `option_probabilities`)."""
+        raise NotImplementedError
+
+
+class LetterScorer(MCQAScorer):
+    name = "letter"
+    option_mode = "options"
+    fitted_on = "mcqa_calibration_half"
+
+    def __init__(self, option_tokens: str = "auto", probe_size: int = 8) -> None:
+        self.option_token_style = option_tokens
+        self.probe_size = int(probe_size)
+
+    def data_options(self) -> dict:
+        return {"mcqa_format": "letter"}
+
+    def test_option_tokens(self, module) -> OptionTokens:
+        if module.option_tokens is not None:  # the base row's choice holds for the method's
+            return module.option_tokens
+        probe = module.probe_batch(self.probe_size)
+        n_options = probe["n_options"] if probe else 4
+        return choose_option_tokens(
+            module.model, module.tokenizer, probe, self.option_token_style, n_options
+        )
+
+    def option_logits(self, module, batch: dict):
+        return score_options(module.model, batch, module.option_tokens).double(), None
+
+    def temperature_rows(self, module, batch: dict) -> torch.Tensor:
+        if module.option_tokens is None:
+            module.option_tokens = choose_option_tokens(
+                module.model, module.tokenizer, batch, self.option_token_style, batch["n_options"]
+            )
+        return score_options(module.model, batch, module.option_tokens).cpu()
+
+    def fit_temperature(self, rows: list, labels: torch.Tensor) -> TemperatureFit:
+        return fit_temperature(torch.cat(rows), labels)
+
+    def prompt_format(self, tokenizer, max_length: int) -> dict:
+        from calm_lightning.data.prompts import MCQA_INSTRUCTION, PLAIN_SYSTEM
+
+        chat = bool(getattr(tokenizer, "chat_template", None))
+        return {
+            "scoring": "letter",
+            "user_text": "{question}\n\n{options}\n\n" + MCQA_INSTRUCTION,
+            "options": "one line per option, '{letter}. {text}', joined by '\\n'",
+            "letters": "the option letters but the last joined by ', ', then ' or ' and the "
+            "last (A, B, C or D)",
+            "template": "chat" if chat else "plain",
+            "chat": "tokenizer.apply_chat_template([{'role': 'user', 'content': user_text}], "
+            "tokenize=False, add_generation_prompt=True)",
+            "plain": None if chat else "{bos}" + PLAIN_SYSTEM + " USER: {user_text} ASSISTANT:",
+            "add_special_tokens": False,
+            "scored_position": "the next token after the prompt (the answer slot)",
+            "max_length": max_length,
+        }
+
+    def score_question(self, model, tokenizer, question, options, option_tokens, max_length):
+        from calm_lightning.data.collate import MCQACollator
+        from calm_lightning.data.records import MCQARecord
+
+        record = MCQARecord(id="question", question=question, choices=tuple(options), answer=0)
+        batch = MCQACollator(tokenizer, max_length=max_length or 1024)([record])
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return score_options(model, batch, option_tokens).double()[0]
+
+
+class ClozeScorer(MCQAScorer):
+    name = "cloze"
+    option_mode = "cloze"
+    fitted_on = "mcqa_calibration_half_cloze"
+
+    def __init__(self, normalize: str = "none", prompt: str = "chat") -> None:
+        self.settings = ClozeSettings(normalize=normalize, prompt=prompt)
+        self.normalize, self.prompt = self.settings.normalize, self.settings.prompt
+
+    def data_options(self) -> dict:
+        return {"mcqa_format": "cloze", "cloze_prompt": self.prompt}
+
+    def test_option_tokens(self, module) -> OptionTokens:
+        return CLOZE_OPTION_TOKENS
+
+    @staticmethod
+    def _max_length(module) -> int | None:
+        """The setting's longest MCQA prompt, as letter scoring cuts it (from the left)."""
+        trainer = module._trainer
+        return getattr(getattr(trainer, "datamodule", None), "eval_max_length", None)
+
+    def option_logits(self, module, batch: dict):
+        scores = score_cloze(
+            module.model,
+            module.tokenizer,
+            batch["questions"],
+            batch["choices"],
+            self.prompt,
+            self._max_length(module),
+        )
+        return scores.logits(self.normalize), scores.acc_norm_predictions()
+
+    def extra_metrics(self, chosen: torch.Tensor, gold: torch.Tensor) -> dict:
+        # lm-eval's acc_norm (argmax of log-likelihood per character), whatever normalize is.
+        return {"acc_norm": float((chosen == gold).double().mean())}
+
+    def temperature_rows(self, module, batch: dict):
+        from calm_lightning.calibrators.cloze_temperature import (
+            temperature_scales,
+            temperature_terms,
+        )
+
+        scores, lse = temperature_terms(
+            module.model,
+            module.tokenizer,
+            batch["questions"],
+            batch["choices"],
+            temperature_scales(BOUNDS),
+            self.prompt,
+            self._max_length(module),
+        )
+        return scores, lse
+
+    def fit_temperature(self, rows: list, labels: torch.Tensor) -> TemperatureFit:
+        from calm_lightning.calibrators.cloze_temperature import (
+            fit_cloze_temperature,
+            temperature_scales,
+        )
+
+        scores = ClozeScores(
+            *(torch.cat([getattr(s, f) for s, _ in rows]) for f in ClozeScores.FIELDS)
+        )
+        lse = torch.cat([t for _, t in rows])
+        return fit_cloze_temperature(
+            scores, lse, labels, temperature_scales(BOUNDS), self.normalize, BOUNDS
+        )
+
+    def prompt_format(self, tokenizer, max_length: int) -> dict:
+        chat = self.prompt == "chat"
+        return {
+            "scoring": "cloze",
+            "template": self.prompt,
+            "context": "tokenizer.apply_chat_template([{'role': 'user', 'content': question}, "
+            "{'role': 'assistant', 'content': option}], tokenize=False) cut where the option "
+            "text starts"
+            if chat
+            else "'Question: {question}\nAnswer:'",
+            "continuation": "'{option}'" if chat else "' {option}'",
+            "option_score": "sum over the continuation tokens of log softmax(z') of each token "
+            "(z' = the head applied to that position's logits), as lm-eval's loglikelihood",
+            "normalize": self.normalize,
+            "probabilities": "softmax over the options of the (normalized) option scores",
+            "add_special_tokens": False,
+            "max_length": max_length,
+        }
+
+    def score_question(self, model, tokenizer, question, options, option_tokens, max_length):
+        scores = score_cloze(model, tokenizer, [question], [list(options)], self.prompt, max_length)
+        return scores.logits(self.normalize)[0]
+
+
+SCORERS = {"letter": LetterScorer, "cloze": ClozeScorer}
+
+
+def scorer_from_config(evaluation) -> MCQAScorer:
+    """The scorer an `evaluation` config block asks for (the one place that reads
+    `evaluation.scoring`, `.cloze`, `.option_tokens` and `.probe_size`)."""
+    evaluation = evaluation or {}
+    name = evaluation.get("scoring", "letter")
+    if name == "cloze":
+        cloze = dict(evaluation.get("cloze") or {})
+        return ClozeScorer(cloze.get("normalize", "none"), cloze.get("prompt", "chat"))
+    if name == "letter":
+        return LetterScorer(
+            evaluation.get("option_tokens", "auto"), evaluation.get("probe_size", 8)
+        )
+    from calm_lightning.errors import ConfigError
+
+    raise ConfigError(f"evaluation.scoring={name!r} is not one of {', '.join(SCORERS)}")
+
+
+def scorer_from_prompt(prompt: dict) -> MCQAScorer:
+    """The scorer an exported folder's recorded `prompt` (calibration.json) describes."""
+    return scorer_from_config(
+        {
+            "scoring": prompt.get("scoring", "letter"),
+            "cloze": {
+                "normalize": prompt.get("normalize", "none"),
+                "prompt": prompt.get("template", "chat"),
+            },
+        }
+    )
