@@ -1,9 +1,9 @@
 """Cost of CALM against plain LoRA fine-tuning and against Regularization, measured in one run.
 
-Prints, per outer step (targets from issue 3):
+Prints, per outer step (against the project's cost targets):
   time   = CALM outer step / (plain LoRA step x (T + 3))       target <= 1.1
   memory = CALM peak memory / plain LoRA peak memory             target <= 1.25
-and per epoch (issue 17), CALM epoch time / Regularization (`reg`) epoch time on the same
+and per epoch, CALM epoch time / Regularization (`reg`) epoch time on the same
 batches, for the per-step surrogate at T = --epoch-inner-steps (paper: 20) and for the
 amortized one (a persistent surrogate, m = --amortized-steps inner steps per outer step);
 target for amortized <= 3.4 (the paper's Table 10 ratio; goal 2.5), memory <= 1.25x plain.
@@ -294,7 +294,7 @@ def main() -> None:
 
 
 def epoch_comparison(args, run_worker, on_gpu: bool, plain_mem: float, mem_key: str) -> None:
-    """CALM epoch / Regularization epoch on the same batches, both schedules (issue 17)."""
+    """CALM epoch / Regularization epoch on the same batches, both schedules."""
     T = args.epoch_inner_steps
     runs = {}
     for mode in ("reg", "per_step", "amortized"):

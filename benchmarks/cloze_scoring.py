@@ -2,7 +2,7 @@
 encoded once, its KV cache reused by its K options) against K separate full forwards of prompt
 + option per question (lm-eval-harness's way), on the same questions, measured in one run.
 
-Prints the time ratio (target from issue 13: >= 2x) and the largest absolute difference of the
+Prints the time ratio (target: >= 2x) and the largest absolute difference of the
 option log-likelihoods between the two paths. Both paths batch `--batch` questions (the
 separate one as batch x K full rows) and keep logits only where the options are scored.
 

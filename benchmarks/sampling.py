@@ -2,7 +2,7 @@
 repeated n times, all n answers drawn together) against n separate `generate` calls per
 question, on the same prompts, measured in one run.
 
-Prints the ratio (target from issue 7: >= 5x) and, for reference, `generate` with
+Prints the ratio (target: >= 5x) and, for reference, `generate` with
 `num_return_sequences=n`. Every way samples at temperature 1 over the full vocabulary until
 end of turn or `--max-new-tokens`; `generate` has no newline stop (it would need a stopping
 criterion), so the ratio uses the cached sampler timed without its newline stop as well (the

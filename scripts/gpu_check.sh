@@ -9,7 +9,7 @@
 #   bash scripts/gpu_check.sh --out DIR --python PATH
 #
 # Needs a CUDA GPU and `pip install -e '.[dev,quant]'` with a CUDA build of torch
-# (README, "Installing for GPUs"). Checks needing 2 GPUs are skipped on one.
+# (README, "GPU install"). Checks needing 2 GPUs are skipped on one.
 set -u
 
 OUT=outputs/gpu_check

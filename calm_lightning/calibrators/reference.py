@@ -7,7 +7,7 @@ is `f`, the reference PLM is `g`. Divergences are in nats, so a Jensen-Shannon d
 in [0, ln 2].
 
 Dual-Align has no public code; every choice this reconstruction makes is an argument here and
-a config field in `conf/method/dual_align.yaml`, and is listed in the README's fidelity notes.
+a config field in `conf/method/dual_align.yaml`, and is listed in docs/fidelity.md.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ _TENS = {
         ["twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
     )
 }
-# Qualitative answers, most specific first (documented in the README).
+# Qualitative answers, most specific first (documented in docs/posthoc.md).
 _LEVELS = (
     ("very high", 0.95),
     ("very low", 0.05),
