@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 from pathlib import Path
 
@@ -96,6 +97,11 @@ def test_write_then_read_a_finished_run(tmp_path):
     on_disk = json.loads((tmp_path / run_record.METRICS_FILE).read_text())
     assert on_disk == result.summary()
     assert not [p for p in tmp_path.rglob(".*") if p.is_file()]
+    # as readable as any file the run writes (the temporary file of mkstemp is private)
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = (tmp_path / run_record.METRICS_FILE).stat().st_mode & 0o777
+    assert mode == 0o666 & ~umask
     assert [r.path for r in find_runs([root])] == [tmp_path]
 
 

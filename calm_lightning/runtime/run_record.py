@@ -52,6 +52,10 @@ WANDB_ID_FILE = "wandb_id.txt"
 CALM_STEPS_PLOT = "calm_steps.png"
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # (reading the process's umask means setting it; it is put back at once)
+
+
 class RunRecordError(CalmLightningError):
     """A folder that is not (or not yet) a finished run."""
 
@@ -103,6 +107,7 @@ def _write_json(path: Path, payload, indent: int | None = 2) -> Path:
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(handle, "w", encoding="utf-8") as stream:
         stream.write(json.dumps(payload, indent=indent) + ("\n" if indent else ""))
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it private; a run's files are not
     os.replace(tmp, path)
     return path
 
