@@ -79,3 +79,22 @@ def test_calm_runs_summary_reads_a_real_run(tmp_path, compose):
     assert cells[3] == f"{metrics['conf_ece']:.3f}"
     assert cells[5] == f"{metrics['mean_confidence']:.3f}"
     assert "| tiny (n=2) |" in table  # seeds grouped by label
+
+
+def test_reference_prompt_benchmark_records_the_known_temperature(tmp_path):
+    import json
+
+    results = tmp_path / "reference_prompt.json"
+    _run(
+        "reference_prompt.py",
+        *("--pairs", "tiny", "--seeds", "0", "--out", str(tmp_path / "runs")),
+        *("--results", str(results)),
+    )
+    records = json.loads(results.read_text())
+    assert {(r["method"], r["reference_prompt"]) for r in records} == {
+        (m, p) for m in ("daca", "dual_align") for p in ("plain", "chat")
+    }
+    for record in records:
+        if record["reference_prompt"] == "chat":  # the same input: T = k exactly
+            assert abs(record["temperature"] - record["logit_scale"]) < 1e-3
+    assert "| tiny | daca | chat |" in results.with_suffix(".md").read_text()

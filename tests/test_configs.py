@@ -50,8 +50,8 @@ def test_every_reference_model_composes(reference, tmp_path, compose):
     if reference == "none":
         assert not node
     else:
-        assert node.name == reference and node.source in {"hub", "tiny"}
-        if node.source == "hub":  # its PoLM exists as a model config
+        assert node.name == reference and node.source in {"hub", "tiny", "embedded"}
+        if node.source != "tiny":  # its PoLM exists as a model config
             assert node.pairs_with in options("model")
 
 

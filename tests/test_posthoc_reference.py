@@ -44,6 +44,7 @@ def _with_cache(tmp_path: Path) -> list[str]:
 
 
 # The PLM reads the PoLM's own prompt text: only then is the scaled PoLM exactly 4 x the PLM.
+# It is the default (docs/posthoc.md: the known-temperature measurement behind it).
 SAME_INPUT = "method.module.reference_prompt=chat"
 
 
@@ -51,11 +52,12 @@ def test_daca_and_dual_align_recover_the_known_temperature(tmp_path, compose):
     results = {}
     for method in ("daca", "dual_align"):
         out = tmp_path / method
-        cfg = compose(_pair(method, tmp_path, [*_with_cache(tmp_path), SAME_INPUT]), out)
+        cfg = compose(_pair(method, tmp_path, _with_cache(tmp_path)), out)  # the defaults
         metrics = run_experiment(cfg).metrics
         payload = json.loads((out / "metrics.json").read_text())
         results[method] = payload
         fit = payload["posthoc"]
+        assert fit["reference_prompt"] == "chat"
         assert fit["temperature"] == pytest.approx(K, rel=0.03)
         assert fit["n"] == 36 and metrics["n"] == 84  # 30 % / 70 % of 120
         assert fit["agreement_rate"] == 1.0  # a scaled model never changes its answer

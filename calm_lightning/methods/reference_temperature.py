@@ -5,10 +5,10 @@ per dataset); T is installed as the scalar head d = 1/T. The losses and the Adam
 functions in `calm_lightning.calibrators.reference`; docs/posthoc.md has every choice.
 
 The PoLM always reads its own chat-templated prompt (the one it is evaluated on, so T is fitted
-on the logits it will divide). The PLM reads `reference_prompt`: `plain` (default) the question,
-options and instruction followed by "Answer:" with no chat template, in its own tokenization with
-its own special tokens, as DACA's public code feeds the models; `chat` the PoLM's rendered
-prompt text re-tokenized by the PLM.
+on the logits it will divide). The PLM reads `reference_prompt`: `chat` (default) the PoLM's
+rendered prompt text re-tokenized by the PLM, the same input as the paper defines it; `plain`
+the question, options and instruction followed by "Answer:" with no chat template, in its own
+tokenization with its own special tokens, as DACA's public code feeds the models.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class ReferenceTemperature(PosthocTemperature):
         init_temperature: float = 1.0,
         parameterisation: str = "log",
         with_embeddings: bool = False,
-        reference_prompt: str = "plain",
+        reference_prompt: str = "chat",
         seed: int = 0,
         **evaluation,
     ) -> None:
