@@ -376,13 +376,15 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--results", default="results/known_miscalibration.json")
-    parser.add_argument("--table", default="results/known_miscalibration.md")
+    parser.add_argument("--table", help="markdown table (default: --results with .md)")
     parser.add_argument("--outputs", default="outputs/known_miscalibration")
     parser.add_argument("--render-only", action="store_true")
     parser.add_argument("--model", default="smollm2", help="tiny: a smoke run in seconds")
     parser.add_argument("--extra", nargs="*", default=[], help="overrides for every run")
     parser.add_argument("--grid-limit", type=int, default=None, help="first N of each grid")
     args = parser.parse_args()
+    # A check run (--results /tmp/check.json) must not overwrite the committed table/figure.
+    args.table = args.table or str(Path(args.results).with_suffix(".md"))
     EXTRA.update({"model": args.model}, **dict(o.split("=", 1) for o in args.extra))
     GRID_LIMIT[0] = args.grid_limit
     if args.render_only:
