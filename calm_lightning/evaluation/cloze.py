@@ -15,28 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from calm_lightning.data.cloze_batches import PROMPTS, encode_batch, separate_rows
+from calm_lightning.data.cloze_batches import encode_batch, separate_rows
 from calm_lightning.data.collate import pad_left
 from calm_lightning.evaluation.sampling import _cache_names, prefill_repeated
 from calm_lightning.models.calibrated_lm import positions_from_mask
 
 NORMALIZE = ("none", "tokens", "chars")
-
-
-@dataclass(frozen=True)
-class ClozeSettings:
-    """`normalize`: how an option's summed log-likelihood becomes its logit (none = the sum);
-    `prompt`: chat (question as the user turn, option as the start of the assistant turn) or
-    plain (`Question: ...\\nAnswer:` then ` <option>`)."""
-
-    normalize: str = "none"
-    prompt: str = "chat"
-
-    def __post_init__(self) -> None:
-        if self.normalize not in NORMALIZE:
-            raise ValueError(f"cloze normalize {self.normalize!r} is not one of {NORMALIZE}")
-        if self.prompt not in PROMPTS:
-            raise ValueError(f"cloze prompt {self.prompt!r} is not one of {PROMPTS}")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from calm_lightning.metrics.semantic import (
     semantic_ece,
     split_half_answer,
 )
+from calm_lightning.runtime.config_checks import Number, OneOf, check_values
 from calm_lightning.runtime.run_record import Evaluation
 
 CONFIDENCES = ("modal", "split_half")
@@ -43,12 +45,18 @@ class OpenQASettings:
     confidence: str = "modal"
     seed: int = 0
 
+    # The rules of its keys: checked here and, on the composed config, before any model loads.
+    rules: ClassVar[dict] = {
+        "n_samples": Number(minimum=1, integer=True),
+        "temperature": Number(minimum=0, exclusive_minimum=True),
+        "max_new_tokens": Number(minimum=1, integer=True),
+        "f1_threshold": Number(minimum=0, maximum=1),
+        "confidence": OneOf(CONFIDENCES),
+    }
+
     def __post_init__(self) -> None:
-        if self.confidence not in CONFIDENCES:
-            raise ConfigError(
-                f"evaluation.openqa.confidence={self.confidence!r} is not one of "
-                f"{', '.join(CONFIDENCES)}"
-            )
+        values = {key: getattr(self, key) for key in self.rules}
+        check_values("evaluation.openqa", values, self.rules)
         if self.n_samples < (2 if self.confidence == "split_half" else 1):
             raise ConfigError("evaluation.openqa.n_samples is too small for this confidence")
 

@@ -20,9 +20,16 @@ from typing import ClassVar
 import torch
 
 from calm_lightning.calibrators.temperature import BOUNDS, TemperatureFit, fit_temperature
+from calm_lightning.data.cloze_batches import PROMPTS
 from calm_lightning.data.prompts import OPTION_LETTERS
-from calm_lightning.evaluation.cloze import ClozeScores, ClozeSettings, score_cloze
-from calm_lightning.evaluation.mcqa import OptionTokens, choose_option_tokens, score_options
+from calm_lightning.evaluation.cloze import NORMALIZE, ClozeScores, score_cloze
+from calm_lightning.evaluation.mcqa import (
+    STYLES,
+    OptionTokens,
+    choose_option_tokens,
+    score_options,
+)
+from calm_lightning.runtime.config_checks import Number, OneOf, check_values
 
 # Stands in for the letter tokens in the result files of a cloze evaluation.
 CLOZE_OPTION_TOKENS = OptionTokens("cloze", (), OPTION_LETTERS)
@@ -33,6 +40,9 @@ class MCQAScorer:
     trainer and chosen option tokens)."""
 
     name: ClassVar[str]
+    # Rules of the scorer's own config keys (under `evaluation`, or `evaluation.cloze`), the
+    # ones the config check applies before any model loads.
+    rules: ClassVar[dict] = {}
     # The objectives' mode that reads the option distribution this scorer evaluates.
     option_mode: ClassVar[str]
     # What `fit_on` records in metrics.json after a temperature fit on MCQA held-out data.
@@ -43,6 +53,11 @@ class MCQAScorer:
     probe_size: int = 8
     # How an option's summed log-likelihood becomes its logit (cloze only; `none` = the sum).
     normalize: str = "none"
+
+    @classmethod
+    def from_config(cls, evaluation) -> MCQAScorer:
+        """The scorer with the settings of an `evaluation` config block."""
+        raise NotImplementedError
 
     def data_options(self) -> dict:
         """How MCQA records train and feed held-out objectives (the data module's arguments)."""
@@ -82,10 +97,18 @@ class LetterScorer(MCQAScorer):
     name = "letter"
     option_mode = "options"
     fitted_on = "mcqa_calibration_half"
+    rules = {"option_tokens": OneOf(STYLES), "probe_size": Number(minimum=1, integer=True)}
 
     def __init__(self, option_tokens: str = "auto", probe_size: int = 8) -> None:
+        check_values(
+            "evaluation", {"option_tokens": option_tokens, "probe_size": probe_size}, self.rules
+        )
         self.option_token_style = option_tokens
         self.probe_size = int(probe_size)
+
+    @classmethod
+    def from_config(cls, evaluation) -> LetterScorer:
+        return cls(evaluation.get("option_tokens", "auto"), evaluation.get("probe_size", 8))
 
     def data_options(self) -> dict:
         return {"mcqa_format": "letter"}
@@ -143,13 +166,23 @@ class LetterScorer(MCQAScorer):
 
 
 class ClozeScorer(MCQAScorer):
+    """`normalize`: how an option's summed log-likelihood becomes its logit (none = the sum);
+    `prompt`: chat (question as the user turn, option as the start of the assistant turn) or
+    plain (`Question: ...\\nAnswer:` then ` <option>`)."""
+
     name = "cloze"
     option_mode = "cloze"
     fitted_on = "mcqa_calibration_half_cloze"
+    rules = {"normalize": OneOf(NORMALIZE), "prompt": OneOf(PROMPTS)}
 
     def __init__(self, normalize: str = "none", prompt: str = "chat") -> None:
-        self.settings = ClozeSettings(normalize=normalize, prompt=prompt)
-        self.normalize, self.prompt = self.settings.normalize, self.settings.prompt
+        check_values("evaluation.cloze", {"normalize": normalize, "prompt": prompt}, self.rules)
+        self.normalize, self.prompt = normalize, prompt
+
+    @classmethod
+    def from_config(cls, evaluation) -> ClozeScorer:
+        cloze = evaluation.get("cloze") or {}
+        return cls(**{key: cloze[key] for key in cls.rules if key in cloze})
 
     def data_options(self) -> dict:
         return {"mcqa_format": "cloze", "cloze_prompt": self.prompt}
@@ -234,6 +267,13 @@ class ClozeScorer(MCQAScorer):
 
 
 SCORERS = {"letter": LetterScorer, "cloze": ClozeScorer}
+# Every scorer's rules, keyed under `evaluation` (the config check applies them all, whichever
+# scorer is chosen).
+SCORING_RULES = {
+    "scoring": OneOf(tuple(SCORERS)),
+    **LetterScorer.rules,
+    **{f"cloze.{key}": rule for key, rule in ClozeScorer.rules.items()},
+}
 
 
 def scorer_from_config(evaluation) -> MCQAScorer:
@@ -241,16 +281,8 @@ def scorer_from_config(evaluation) -> MCQAScorer:
     `evaluation.scoring`, `.cloze`, `.option_tokens` and `.probe_size`)."""
     evaluation = evaluation or {}
     name = evaluation.get("scoring", "letter")
-    if name == "cloze":
-        cloze = dict(evaluation.get("cloze") or {})
-        return ClozeScorer(cloze.get("normalize", "none"), cloze.get("prompt", "chat"))
-    if name == "letter":
-        return LetterScorer(
-            evaluation.get("option_tokens", "auto"), evaluation.get("probe_size", 8)
-        )
-    from calm_lightning.errors import ConfigError
-
-    raise ConfigError(f"evaluation.scoring={name!r} is not one of {', '.join(SCORERS)}")
+    check_values("evaluation", {"scoring": name}, {"scoring": SCORING_RULES["scoring"]})
+    return SCORERS[name].from_config(evaluation)
 
 
 def scorer_from_prompt(prompt: dict) -> MCQAScorer:

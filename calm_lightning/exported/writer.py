@@ -100,18 +100,29 @@ def _boolean(key: str, value: str) -> bool:
 class RunToExport:
     """What the checks found out about the run, before anything heavy is loaded."""
 
-    run_dir: Path
-    cfg: object  # the run's resolved config (DictConfig)
+    record: RunRecord  # the run directory as read (run_record.py)
     method: str
     method_class: type
-    metrics: dict
     base_dtype: str  # what the run loaded the base in (calibration/calibrated_lm.json)
     base_4bit: bool
-    record: RunRecord  # the run directory as read (run_record.py)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.record.path
+
+    @property
+    def cfg(self):
+        """The run's resolved config (DictConfig)."""
+        return self.record.config
+
+    @property
+    def metrics(self) -> dict:
+        """The run's metrics.json."""
+        return self.record.summary
 
     @property
     def calibration_dir(self) -> Path:
-        return self.run_dir / CALIBRATION_DIR
+        return self.record.calibration_dir
 
     @property
     def adapter_dir(self) -> Path | None:
@@ -166,14 +177,11 @@ def inspect_run(run_dir: str | Path, exporting: bool = True) -> RunToExport:
     dtype = record.get("base_dtype") or str(resolve_dtype(cfg.model.get("dtype", "auto")))
     quantization = cfg.model.get("quantization", "none")
     return RunToExport(
-        run_dir=run_dir,
-        cfg=cfg,
+        record=saved,
         method=method,
         method_class=cls,
-        metrics=saved.summary,
         base_dtype=dtype.removeprefix("torch."),
         base_4bit=bool(record.get("base_4bit", quantization == "nf4")),
-        record=saved,
     )
 
 

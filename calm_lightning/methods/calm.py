@@ -366,6 +366,7 @@ class CALM(TrainingMethod):
             inner_lr=inner_lr,
             inner_optimizer=inner_optimizer,
             surrogate=surrogate,
+            residual_dropout=residual_dropout,
         )
         if model.head is None:
             raise ConfigError("CALM needs a logit-adjustment head: set method.head (vector|scalar)")

@@ -121,25 +121,14 @@ def merged_rules(cls) -> dict:
 
 def evaluation_rules() -> dict:
     """The `evaluation` block's rules (the choices live beside the code that uses them)."""
-    from calm_lightning.data.cloze_batches import PROMPTS
-    from calm_lightning.evaluation.cloze import NORMALIZE
-    from calm_lightning.evaluation.mcqa import STYLES
-    from calm_lightning.evaluation.openqa import CONFIDENCES
-    from calm_lightning.evaluation.scorers import SCORERS
+    from calm_lightning.evaluation.openqa import OpenQASettings
+    from calm_lightning.evaluation.scorers import SCORING_RULES
 
     return {
-        "scoring": OneOf(tuple(SCORERS)),
-        "cloze.normalize": OneOf(NORMALIZE),
-        "cloze.prompt": OneOf(PROMPTS),
-        "option_tokens": OneOf(STYLES),
+        **SCORING_RULES,  # scoring, option_tokens, probe_size, cloze.* (the scorers' own rules)
         "n_bins": Number(minimum=1, integer=True),
-        "probe_size": Number(minimum=1, integer=True),
         "min_accuracy_ratio": Number(minimum=0, maximum=1),
-        "openqa.n_samples": Number(minimum=1, integer=True),
-        "openqa.temperature": Number(minimum=0, exclusive_minimum=True),
-        "openqa.max_new_tokens": Number(minimum=1, integer=True),
-        "openqa.f1_threshold": Number(minimum=0, maximum=1),
-        "openqa.confidence": OneOf(CONFIDENCES),
+        **{f"openqa.{key}": rule for key, rule in OpenQASettings.rules.items()},
     }
 
 

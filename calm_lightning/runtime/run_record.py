@@ -101,12 +101,12 @@ class RunResult:
         return {**self.evaluation.summary, "comparison": self.comparison, **self.extra}
 
 
-def _write_json(path: Path, payload, indent: int | None = 2) -> Path:
+def _write_json(path: Path, payload) -> Path:
     """Write atomically (a temporary file renamed over `path`): a reader never sees half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(handle, "w", encoding="utf-8") as stream:
-        stream.write(json.dumps(payload, indent=indent) + ("\n" if indent else ""))
+        stream.write(json.dumps(payload, indent=2) + "\n")
     os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it private; a run's files are not
     os.replace(tmp, path)
     return path
@@ -182,7 +182,9 @@ def write_wandb_id(run_dir: str | Path, run_id: str) -> None:
 def read_wandb_id(run_dir: str | Path) -> str | None:
     """The W&B run id an earlier process of this run chose (None when there is none)."""
     path = Path(run_dir) / WANDB_ID_FILE
-    return path.read_text().strip() or None if path.is_file() else None
+    if not path.is_file():
+        return None
+    return path.read_text().strip() or None
 
 
 @dataclass
