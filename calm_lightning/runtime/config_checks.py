@@ -127,6 +127,7 @@ def evaluation_rules() -> dict:
     return {
         **SCORING_RULES,  # scoring, option_tokens, probe_size, cloze.* (the scorers' own rules)
         "n_bins": Number(minimum=1, integer=True),
+        "base_cache": OneOf((True, False)),
         "min_accuracy_ratio": Number(minimum=0, maximum=1),
         **{f"openqa.{key}": rule for key, rule in OpenQASettings.rules.items()},
     }
