@@ -151,6 +151,9 @@ def check_config(cfg, method_cls, sources: dict) -> None:
     check_values("method.head", plain(cfg.method.get("head")), head_rules())
     method_cls.check_requirements(cfg, sources)
     check_strategy(cfg)
+    from calm_lightning.runtime.parallel import check_parallel_jobs
+
+    check_parallel_jobs(cfg)
 
 
 def check_strategy(cfg) -> None:
