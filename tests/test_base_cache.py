@@ -55,13 +55,27 @@ def test_fingerprint_follows_what_the_base_row_depends_on(compose):
         "option tokens": _fingerprint(compose, ["evaluation.option_tokens=space"]),
         "scoring": _fingerprint(compose, ["evaluation.scoring=cloze"]),
         "normalisation": _fingerprint(compose, ["evaluation.cloze.normalize=chars"]),
-        "open-QA seed": _fingerprint(compose, ["evaluation.openqa.seed=3"]),
         "bins": _fingerprint(compose, ["evaluation.n_bins=15"]),
         "head": _fingerprint(compose, ["method.head.center=logsumexp"]),
         "batches": _fingerprint(compose, ["setting.eval_batch_size=4"]),
     }
     for what, fingerprint in changed.items():
         assert fingerprint.digest != reference.digest, what
+    # Multiple-choice scoring never samples: the seed (and the open-QA block it feeds) does
+    # not enter; open-QA test data samples with it, so there it does.
+    assert _fingerprint(compose, ["seed=1", "evaluation.openqa.seed=3"]).digest == reference.digest
+    cfg = compose(TINY_CALM, "/tmp/unused")
+    questions = EmbeddedDemoSource("openqa", "test", limit=4).load()
+    sampled = {
+        seed: base_fingerprint(
+            compose([*TINY_CALM, f"evaluation.openqa.seed={seed}"], "/tmp/unused"),
+            method_class(cfg),
+            questions,
+            CPU_TRAINER,
+        ).digest
+        for seed in (0, 3)
+    }
+    assert sampled[0] != sampled[3]
     # A changed record under the same id misses too (a hash of the content, not only the ids).
     from dataclasses import replace
 
@@ -191,3 +205,31 @@ def test_multirun_of_three_jobs_evaluates_the_base_once(tmp_path):
     assert other["base_cache"]["base"]["fingerprint"] != cached[0]["fingerprint"]
     assert other["comparison"]["base"]["n"] == 6
     assert len([p for p in (tmp_path / "sweep" / BASE_CACHE_DIR).iterdir() if p.is_dir()]) == 2
+
+
+def test_the_base_retention_row_is_read_by_the_next_job(tmp_path, compose):
+    pytest.importorskip("lm_eval")
+    hub = Path(__file__).parent / "fixtures" / "hub"
+    overrides = [
+        "model=tiny",
+        "method=base",
+        "setting.test.limit=4",
+        "logger=none",
+        "trainer.enable_progress_bar=false",
+        "evaluation.retention.tasks=[arc_challenge]",
+        f"evaluation.retention.data_files.arc_challenge=[{hub / 'arc_challenge.jsonl'}]",
+        "evaluation.retention.limit=3",
+        f"evaluation.base_cache_dir={tmp_path / 'sweep'}",
+    ]
+    for name in ("first", "second"):
+        run_experiment(compose(overrides, tmp_path / name))
+    cached = [
+        json.loads((tmp_path / n / METRICS_FILE).read_text())["base_cache"]["retention_base"]
+        for n in ("first", "second")
+    ]
+    assert [c["status"] for c in cached] == ["computed", "read"]
+    assert cached[0]["fingerprint"] == cached[1]["fingerprint"]
+    rows = [json.loads((tmp_path / n / "retention.json").read_text()) for n in ("first", "second")]
+    assert rows[0]["rows"] == rows[1]["rows"] and rows[0]["rows"]["base"]["arc_challenge"]["n"] == 3
+    samples = [_files(tmp_path / n / "retention" / "base") for n in ("first", "second")]
+    assert samples[0] == samples[1] and samples[0]

@@ -10,7 +10,7 @@ What the fingerprint holds (`base_fingerprint`, `retention_fingerprint`): the mo
 its cache folder), the test records actually scored (their ids, in order, and a hash of their
 content: a changed file or limit misses), the scoring settings (the `evaluation` block but
 for the keys that only decide what is compared: letter / cloze, prompt, normalisation, option
-tokens, probe size, bins, open-QA sampling and its seed, the clusterer), how the model was
+tokens, probe size, bins; for open-QA test data its sampling, seed and clusterer), how the model was
 wrapped (method class, head, adapters), the batches (eval batch size, longest prompt), the
 numerics (device type, precision, world size), the setting's and model's names (the
 reliability diagram's title) and the code (the package version, a hash of its sources and the
@@ -166,6 +166,12 @@ def _numerics(trainer) -> dict:
 def base_fingerprint(cfg, method_cls, test_records: list, trainer) -> Fingerprint:
     """The fingerprint of the base row of a run (see the module doc)."""
     evaluation = {k: v for k, v in _plain(cfg.evaluation).items() if k not in NOT_SCORING}
+    from calm_lightning.data.records import OpenQARecord
+
+    if not any(isinstance(r, OpenQARecord) for r in test_records[:1]):
+        # Multiple-choice scoring never samples: the open-QA block (whose seed follows the
+        # run's) does not enter, so the jobs of a seeds grid share one base row.
+        evaluation.pop("openqa", None)
     setting = cfg.setting
     return Fingerprint(
         "base",
