@@ -55,13 +55,17 @@ def sweep(folder: Path, cached: bool, args) -> float:
     return seconds
 
 
-def base_seconds(folder: Path) -> tuple[float, list[str]]:
-    """Seconds the sweep's jobs spent on their base rows, and each job's cache status."""
+def phase_seconds(folder: Path) -> tuple[dict, list[str]]:
+    """Seconds the sweep's jobs spent per phase (summed over jobs), and each job's cache
+    status."""
     runs = [r for r in find_runs([folder]) if r.finished]
     if len(runs) == 0:
         raise SystemExit(f"{folder}: no finished runs")
-    total = sum(r.summary["timings"]["evaluate_base_s"] for r in runs)
-    return total, [r.summary["base_cache"]["base"]["status"] for r in runs]
+    phases: dict[str, float] = {}
+    for run in runs:
+        for phase, seconds in run.summary["timings"].items():
+            phases[phase] = phases.get(phase, 0.0) + seconds
+    return phases, [r.summary["base_cache"]["base"]["status"] for r in runs]
 
 
 def base_files(folder: Path) -> list[dict]:
@@ -86,12 +90,12 @@ def main() -> None:
             for cached in order:
                 folder = Path(tmp) / f"{'cached' if cached else 'uncached'}_{repeat}"
                 times[cached].append(sweep(folder, cached, args))
-                seconds, statuses = base_seconds(folder)
-                base[cached].append(seconds)
+                phases, statuses = phase_seconds(folder)
+                base[cached].append(phases["evaluate_base_s"])
                 print(
                     f"sweep {repeat} {'with' if cached else 'without'} cache: "
-                    f"{times[cached][-1]:.1f} s wall, base rows {seconds:.1f} s "
-                    f"({', '.join(statuses)})"
+                    f"{times[cached][-1]:.1f} s wall ({', '.join(statuses)}); summed over jobs: "
+                    + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in phases.items())
                 )
         same = base_files(Path(tmp) / "cached_0") == base_files(Path(tmp) / "uncached_0")
     with_cache, without = statistics.median(times[True]), statistics.median(times[False])

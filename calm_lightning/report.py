@@ -45,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         + (", retention.csv" if result["retention"] else "")
         + (", reliability_grid.png" if result["grid"] else "")
     )
-    dashboard = write_dashboard(runs, args.dirs[0], args.min_accuracy_ratio, args.entity)
+    try:
+        dashboard = write_dashboard(runs, args.dirs[0], args.min_accuracy_ratio, args.entity)
+    except ValueError as err:  # runs of several W&B projects: no one dashboard
+        parser.error(str(err))
     if dashboard is not None:
         print(f"W&B views of the sweep: {dashboard}")
         if args.publish:
