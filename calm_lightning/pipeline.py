@@ -22,25 +22,21 @@ from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.lm_eval_retention import RetentionStep
 from calm_lightning.evaluation.results import format_table, run_meta
 from calm_lightning.evaluation.scorers import scorer_from_config
+from calm_lightning.evaluation.scoring_pass import evaluate, evaluate_base, evaluate_base_retention
 from calm_lightning.methods.base import CalibrationMethod, method_class
-from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.loading import LoadedModel, load_language_model
+from calm_lightning.runtime.base_cache import BaseCache
 from calm_lightning.runtime.config_checks import check_config, check_world_size
 from calm_lightning.runtime.distributed import is_main_process
 from calm_lightning.runtime.loggers import build_loggers, finish_loggers, publish_results
 from calm_lightning.runtime.method_settings import applied_method_setting, log_method_setting
 from calm_lightning.runtime.run_record import (
-    BASE_DIR,
     CALIBRATION_DIR,
     RETENTION_FILE,
-    Evaluation,
     RunResult,
     checkpoint_file,
-    reliability_path,
     write_config,
-    write_predictions,
     write_retention,
-    write_row,
     write_run,
 )
 from calm_lightning.runtime.timing import Stopwatch
@@ -113,19 +109,6 @@ def checkpoint_path(cfg: DictConfig) -> str | None:
     return str(path)
 
 
-def evaluate(trainer, module, datamodule, cfg: DictConfig, name: str, out: Path) -> Evaluation:
-    """Score the test split with the module as it is now (under DDP every process scores its
-    share; rank 0 writes the gathered predictions and the reliability diagram under `out`)."""
-    trainer.test(module, datamodule=datamodule, verbose=False)
-    metrics = module.predictions.report(cfg.evaluation.n_bins)
-    evaluation = module.predictions.evaluation(metrics, {**run_meta(cfg), "method": name})
-    if is_main_process():
-        write_predictions(out, evaluation)
-        title = f"{cfg.model.name} / {name} / {cfg.setting.name}"
-        module.predictions.plot_reliability(reliability_path(out), title=title)
-    return evaluation
-
-
 def run_experiment(cfg: DictConfig) -> RunResult:
     """Run one (model, method, setting): compose, validate, build, calibrate, evaluate, write."""
     # compose: the resolved config and whatever a method_setting file changed, said up front
@@ -156,17 +139,19 @@ def run_experiment(cfg: DictConfig) -> RunResult:
         datamodule.tokenizer = loaded.tokenizer
         module = build_method(cfg, loaded)
         rows: dict[str, dict] = {}
+        cache, cached = BaseCache.from_config(cfg), {}
         # Before calibration the adapters are zero and the head is the identity: the
-        # untouched model, scored on the same data by the same code.
+        # untouched model, scored on the same data by the same code (or read from the
+        # sweep's cache, where an earlier job scored it: runtime/base_cache.py).
         if module.changes_model and cfg.evaluation.get("compare_with_base", True):
             with stopwatch.phase("evaluate_base"):
-                base = evaluate(trainer, module, datamodule, cfg, "base", out / BASE_DIR)
+                base, cached["base"] = evaluate_base(trainer, module, datamodule, cfg, out, cache)
             rows["base"] = base.metrics
-            if main:
-                write_row(out / BASE_DIR, base)
         if retention.enabled:
             with stopwatch.phase("retention_base"):
-                retention.evaluate("base", CalibratedLM(module.model.lm, None), loaded.tokenizer)
+                cached["retention_base"] = evaluate_base_retention(
+                    retention, module, loaded.tokenizer, cfg, out, cache
+                )
         # calibrate
         with stopwatch.phase("calibrate"):
             fitted = module.calibrate(trainer, datamodule, ckpt_path)
@@ -181,6 +166,8 @@ def run_experiment(cfg: DictConfig) -> RunResult:
                 retention.evaluate(cfg.method.name, module.model, loaded.tokenizer)
         # write
         extra = {"timings": stopwatch.seconds, **fitted, "method_setting": method_setting}
+        if cached:
+            extra["base_cache"] = cached
         result = RunResult(out, evaluation, rows, extra, data_summary=datamodule.summary())
         if main:
             write_run(result)

@@ -1,5 +1,7 @@
-"""`python -m calm_lightning.report <run or sweep dirs> [--out DIR] [--min-accuracy-ratio 0.8]`:
-paper-style tables, chosen hyper-parameters and a reliability-diagram grid from finished runs."""
+"""`python -m calm_lightning.report <run or sweep dirs> [--out DIR] [--min-accuracy-ratio 0.8]
+[--publish]`: paper-style tables, chosen hyper-parameters and a reliability-diagram grid from
+finished runs; for runs logged with W&B, the sweep's dashboard (saved W&B views) written to the
+first folder as wandb_views.json and, with --publish, created on W&B."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from calm_lightning.reporting.collect import collect_runs
+from calm_lightning.reporting.dashboard import publish, write_dashboard
 from calm_lightning.reporting.render import write_report
 from calm_lightning.runtime.run_record import CONFIG_FILE
 
@@ -21,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.8,
         help="keep runs whose accuracy exceeds this fraction of base (paper: 0.8)",
     )
+    parser.add_argument(
+        "--publish",
+        action="store_true",
+        help="create the sweep's W&B views online (needs a login and the runs synced)",
+    )
+    parser.add_argument("--entity", help="W&B entity of the views (default: the runs' or yours)")
     args = parser.parse_args(argv)
     missing = [d for d in args.dirs if not Path(d).is_dir()]
     if missing:
@@ -36,6 +45,17 @@ def main(argv: list[str] | None = None) -> int:
         + (", retention.csv" if result["retention"] else "")
         + (", reliability_grid.png" if result["grid"] else "")
     )
+    try:
+        dashboard = write_dashboard(runs, args.dirs[0], args.min_accuracy_ratio, args.entity)
+    except ValueError as err:  # runs of several W&B projects: no one dashboard
+        parser.error(str(err))
+    if dashboard is not None:
+        print(f"W&B views of the sweep: {dashboard}")
+        if args.publish:
+            for url in publish(runs, args.dirs[0], args.min_accuracy_ratio, args.entity):
+                print(f"published: {url}")
+    elif args.publish:
+        parser.error("--publish: none of the runs was logged with W&B (logger=wandb)")
     return 0
 
 

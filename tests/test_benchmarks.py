@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -98,3 +100,10 @@ def test_reference_prompt_benchmark_records_the_known_temperature(tmp_path):
         if record["reference_prompt"] == "chat":  # the same input: T = k exactly
             assert abs(record["temperature"] - record["logit_scale"]) < 1e-3
     assert "| tiny | daca | chat |" in results.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_base_cache_benchmark_runs_on_the_tiny_model():
+    out = _run("base_cache.py", "--jobs", "2", "--limit", "8")
+    assert "wall-time ratio with / without cache" in out
+    assert "base rows byte-identical with and without the cache: True" in out

@@ -11,7 +11,7 @@ import torch
 from calm_lightning.data.datamodule import CalibrationDataModule
 from calm_lightning.data.sources import EmbeddedDemoSource
 from calm_lightning.methods.bome import bome_direction
-from calm_lightning.methods.calm import CALM, bilevel_gradients
+from calm_lightning.methods.calm import CALM, STEP_SERIES, bilevel_gradients
 from calm_lightning.methods.training import NonFiniteError, warmup_cosine
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
@@ -499,6 +499,7 @@ def test_inner_drop_is_g_theta_minus_g_surrogate_by_hand(tiny_loaded, tmp_path):
             captured["q"] = float(trainer.callback_metrics["calm/q"])
             captured["q_rel"] = float(trainer.callback_metrics["calm/q_rel"])
             captured["g"] = float(trainer.callback_metrics["calm/g"])
+            captured["logged"] = set(trainer.callback_metrics)
 
     trainer = L.Trainer(
         max_epochs=1, limit_train_batches=1, logger=False, enable_checkpointing=False,
@@ -507,6 +508,8 @@ def test_inner_drop_is_g_theta_minus_g_surrogate_by_hand(tiny_loaded, tmp_path):
     )  # fmt: skip
     head = {k: v.detach().clone() for k, v in module.model.head.state_dict().items()}
     trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    # The series the sweep dashboard plots for the picked run are among those logged.
+    assert set(STEP_SERIES) <= captured["logged"]
     module.model.head.load_state_dict(head)  # alpha as it was during the step
     batch = captured["batch"]
 

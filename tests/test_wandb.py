@@ -81,7 +81,8 @@ def test_offline_wandb_run_holds_metrics_config_image_and_table(tmp_path, monkey
     assert summary["base/conf_ece"] == pytest.approx(metrics["conf_ece"])
     assert history["test/accuracy"] == pytest.approx(metrics["accuracy"])
     config = _values(records, "config")
-    assert config["model.name"] == "tiny" and config["seed"] == 0  # flattened, readable keys
+    # Nested, as W&B shows it (`model.name`) and as its saved views address it.
+    assert config["model"]["name"] == "tiny" and config["seed"] == 0
     media = run_file.parent / "files" / "media"
     assert list(media.glob("images/reliability_*.png"))
     (table,) = list(media.glob("table/predictions_*.table.json"))

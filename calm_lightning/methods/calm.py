@@ -597,6 +597,19 @@ class CALM(TrainingMethod):
 
 
 CURVES_FILE = "calm_steps.png"
+# The per-step series `_log_step` logs that the sweep's W&B dashboard plots for the picked run
+# (reporting/dashboard.py): g, q (and q / g), entropy, lambda, the head's statistics.
+STEP_SERIES = (
+    "calm/g",
+    "calm/q",
+    "calm/q_rel",
+    "calm/entropy",
+    "calm/lambda",
+    "calm/d_mean",
+    "calm/d_std",
+    "calm/l_mean",
+    "calm/l_std",
+)
 
 
 def summarize_history(history: Sequence[dict[str, float]]) -> dict[str, float]:

@@ -127,6 +127,7 @@ def evaluation_rules() -> dict:
     return {
         **SCORING_RULES,  # scoring, option_tokens, probe_size, cloze.* (the scorers' own rules)
         "n_bins": Number(minimum=1, integer=True),
+        "base_cache": OneOf((True, False)),
         "min_accuracy_ratio": Number(minimum=0, maximum=1),
         **{f"openqa.{key}": rule for key, rule in OpenQASettings.rules.items()},
     }
@@ -150,6 +151,9 @@ def check_config(cfg, method_cls, sources: dict) -> None:
     check_values("method.head", plain(cfg.method.get("head")), head_rules())
     method_cls.check_requirements(cfg, sources)
     check_strategy(cfg)
+    from calm_lightning.runtime.parallel import check_parallel_jobs
+
+    check_parallel_jobs(cfg)
 
 
 def check_strategy(cfg) -> None:

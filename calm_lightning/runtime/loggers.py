@@ -17,6 +17,9 @@ from calm_lightning.runtime.run_record import (
     write_wandb_id,
 )
 
+# The W&B key of a run's reliability diagram (the sweep dashboard's media panel reads it).
+RELIABILITY_KEY = "reliability"
+
 
 def _wandb_overrides(cfg: DictConfig, node: DictConfig, resume_from: str | None) -> dict:
     """Run id kept in the output dir (a resumed run continues the same W&B run) and, in a
@@ -71,16 +74,16 @@ def publish_results(loggers: list, cfg: DictConfig, result: RunResult) -> None:
     for logger in loggers:
         if type(logger).__name__ != "WandbLogger":
             continue
-        import pandas as pd
         import wandb
 
-        flat = pd.json_normalize(OmegaConf.to_container(cfg, resolve=True), sep=".")
-        logger.log_hyperparams(flat.iloc[0].to_dict())
+        # Nested, as W&B shows it (columns `method.module.upper_lr`) and as its saved views
+        # address config values (`config:method.value.module.upper_lr`, the sweep dashboard).
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
         run = logger.experiment
         for method, metrics in result.comparison.items():
             run.summary.update({f"{method}/{k}": v for k, v in metrics.items()})
         # W&B uploads the diagram from the file the run wrote (it stores images as files).
-        run.log({"reliability": wandb.Image(str(result.reliability_plot))})
+        run.log({RELIABILITY_KEY: wandb.Image(str(result.reliability_plot))})
         rows_json = result.predictions
         columns = list(rows_json[0]) if rows_json else []
         # Lists (option probabilities, samples, clusters) go in as JSON text cells.

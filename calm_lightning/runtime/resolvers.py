@@ -38,10 +38,20 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def job_devices():
+    """`${calm_job_device:}`: one device per job of a parallel sweep (runtime/parallel.py)."""
+    from calm_lightning.runtime.parallel import job_devices as devices
+
+    return devices()
+
+
 def register_resolvers() -> None:
-    """Register `${calm_precision:auto}`; safe to call more than once."""
+    """Register `${calm_precision:auto}` and `${calm_job_device:}`; safe to call more than
+    once."""
     if not OmegaConf.has_resolver("calm_precision"):
         OmegaConf.register_new_resolver("calm_precision", resolve_precision)
+    if not OmegaConf.has_resolver("calm_job_device"):
+        OmegaConf.register_new_resolver("calm_job_device", job_devices)
 
 
 register_resolvers()

@@ -22,6 +22,12 @@ A run directory::
     checkpoints/           Lightning checkpoints (last.ckpt; last-good.ckpt before a NaN stop)
     wandb_id.txt           the W&B run id, so a resumed run continues the same W&B run
     failed.json            (multirun) why the job failed
+
+A sweep's (or single run's) cache of base rows (runtime/base_cache.py)::
+
+    base_cache/<kind>-<digest>/   one entry: cache_entry.json (fingerprint, payload) and the
+                                  row's files (base: metrics.json, predictions.jsonl,
+                                  reliability.png; retention_base: each task's samples)
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ LAST_CHECKPOINT = "last.ckpt"
 LAST_GOOD_CHECKPOINT = "last-good.ckpt"
 WANDB_ID_FILE = "wandb_id.txt"
 CALM_STEPS_PLOT = "calm_steps.png"
+BASE_CACHE_DIR = "base_cache"  # in the sweep's folder (multirun) or the run's own
+CACHE_ENTRY_FILE = "cache_entry.json"
 
 
 _UMASK = os.umask(0)
@@ -151,6 +159,22 @@ def write_run(result: RunResult) -> Path:
     if result.data_summary is not None:
         _write_json(out / DATA_SUMMARY_FILE, result.data_summary)
     return _write_json(out / METRICS_FILE, result.summary())
+
+
+def read_predictions(directory: str | Path) -> list[dict]:
+    """predictions.jsonl of a folder (a compared row's, or a cache entry's)."""
+    path = Path(directory) / PREDICTIONS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def write_cache_entry(directory: str | Path, payload: dict) -> Path:
+    """A base-cache entry's own record (its fingerprint and payload)."""
+    return _write_json(Path(directory) / CACHE_ENTRY_FILE, payload)
+
+
+def read_cache_entry(directory: str | Path) -> dict | None:
+    """A base-cache entry's record; None when there is no such entry."""
+    return _read_json(Path(directory) / CACHE_ENTRY_FILE)
 
 
 def write_failure(directory: str | Path, err: BaseException) -> Path:

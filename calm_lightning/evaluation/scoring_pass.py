@@ -1,0 +1,99 @@
+"""A scoring pass over the test split, and the untouched model's rows of a run.
+
+`evaluate` scores the test split with a method's module as it is now (under DDP every process
+scores its share; rank 0 writes the gathered predictions and the reliability diagram).
+`evaluate_base` and `evaluate_base_retention` give the base row and the base retention row:
+read from the sweep's cache where an earlier job with the same fingerprint measured them
+(runtime/base_cache.py), else measured here and stored; either way the run's folder holds the
+same files and the method's row is scored as if the base had been measured here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from calm_lightning.evaluation.lm_eval_retention import preserved_rng
+from calm_lightning.evaluation.mcqa import OptionTokens
+from calm_lightning.evaluation.results import run_meta
+from calm_lightning.models.calibrated_lm import CalibratedLM
+from calm_lightning.runtime.base_cache import BaseCache, base_fingerprint, retention_fingerprint
+from calm_lightning.runtime.distributed import is_main_process
+from calm_lightning.runtime.run_record import (
+    BASE_DIR,
+    RETENTION_DIR,
+    Evaluation,
+    read_predictions,
+    reliability_path,
+    write_predictions,
+    write_row,
+)
+
+
+def evaluate(trainer, module, datamodule, cfg: DictConfig, name: str, out: Path) -> Evaluation:
+    """Score the test split with the module as it is now (under DDP every process scores its
+    share; rank 0 writes the gathered predictions and the reliability diagram under `out`)."""
+    trainer.test(module, datamodule=datamodule, verbose=False)
+    metrics = module.predictions.report(cfg.evaluation.n_bins)
+    evaluation = module.predictions.evaluation(metrics, {**run_meta(cfg), "method": name})
+    if is_main_process():
+        write_predictions(out, evaluation)
+        title = f"{cfg.model.name} / {name} / {cfg.setting.name}"
+        module.predictions.plot_reliability(reliability_path(out), title=title)
+    return evaluation
+
+
+def evaluate_base(
+    trainer, module, datamodule, cfg: DictConfig, out: Path, cache: BaseCache
+) -> tuple[Evaluation, dict]:
+    """The untouched model's row, and how it was had (metrics.json's `base_cache.base`): read
+    from the cache when an earlier job with the same fingerprint scored it, else scored here
+    (and stored). Either way the run's base/ folder holds the same files."""
+    folder = out / BASE_DIR
+    fingerprint = base_fingerprint(cfg, type(module), datamodule.records["test"], trainer)
+    computed: list[Evaluation] = []
+
+    def compute() -> dict:
+        # The base pass must not move the random streams calibration draws from (the test
+        # loader draws a seed): a run that reads its base row trains exactly as one that
+        # scores it.
+        with preserved_rng():
+            evaluation = evaluate(trainer, module, datamodule, cfg, "base", folder)
+        if is_main_process():
+            write_row(folder, evaluation)
+        computed.append(evaluation)
+        return evaluation.summary
+
+    summary, record = cache.fetch(fingerprint, compute, folder)
+    if computed:
+        return computed[0], record
+    # This run's names (seed, setting) in place of the first job's, in the same key order.
+    meta = {**run_meta(cfg), "method": "base"}
+    summary = {key: meta.get(key, value) for key, value in summary.items()}
+    evaluation = Evaluation(summary, read_predictions(record["entry"]))
+    tokens = summary.get("option_tokens")
+    if tokens is not None:  # the method's row is scored with the base row's option tokens
+        module.option_tokens = OptionTokens(
+            tokens["style"], tuple(tokens["ids"]), tokens["letters"]
+        )
+    if is_main_process():
+        cache.restore(record["entry"], folder)
+        write_row(folder, evaluation)
+    return evaluation, record
+
+
+def evaluate_base_retention(retention, module, tokenizer, cfg, out: Path, cache: BaseCache):
+    """The untouched model's retention row, read from the cache or measured (and stored)."""
+    folder = out / RETENTION_DIR / "base"
+    fingerprint = retention_fingerprint(cfg, type(module), retention.settings)
+
+    def compute() -> dict:
+        return retention.evaluate("base", CalibratedLM(module.model.lm, None), tokenizer)
+
+    row, record = cache.fetch(fingerprint, compute, folder)
+    if record["status"] == "read":
+        retention.rows["base"] = row
+        if is_main_process():
+            cache.restore(record["entry"], folder)
+    return record

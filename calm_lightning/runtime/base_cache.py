@@ -1,0 +1,344 @@
+"""The untouched model's rows, computed once per sweep and read by every later job.
+
+Every job of a grid that changes the model scores the untouched base model first, on the same
+test data with the same code: the same numbers each time. The first job stores its base row
+(and its base retention row) under a fingerprint of everything the row depends on; a later job
+whose fingerprint is equal reads it instead of scoring again.
+
+What the fingerprint holds (`base_fingerprint`, `retention_fingerprint`): the model block
+(id, local path, revision, dtype, quantization, logit_scale, the tiny model's shape, ...; not
+its cache folder), the test records actually scored (their ids, in order, and a hash of their
+content: a changed file or limit misses), the scoring settings (the `evaluation` block but
+for the keys that only decide what is compared: letter / cloze, prompt, normalisation, option
+tokens, probe size, bins; for open-QA test data its sampling, seed and clusterer), how the model was
+wrapped (method class, head, adapters), the batches (eval batch size, longest prompt), the
+numerics (device type, precision, world size), the setting's and model's names (the
+reliability diagram's title) and the code (the package version, a hash of its sources and the
+versions of torch / transformers / peft). An entry whose stored fingerprint is not equal to the
+job's is never used.
+
+Concurrent jobs (a parallel launcher): the first job takes an exclusive lock on the
+fingerprint while it computes; the others wait on the lock and then read. The entry is built
+in a temporary folder and renamed into place, so a reader never sees half of one, also where
+the lock is not honoured (the second writer's rename fails and it keeps its own result).
+
+Under DDP, rank 0 alone locks, looks and writes; it tells the other ranks whether to compute.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+
+from calm_lightning.runtime.run_record import (
+    BASE_CACHE_DIR,
+    CACHE_ENTRY_FILE,
+    read_cache_entry,
+    write_cache_entry,
+)
+
+log = logging.getLogger(__name__)
+
+# Keys of the `evaluation` block that decide what is compared or cached, not how the base
+# model is scored (the rest of the block enters the fingerprint).
+NOT_SCORING = (
+    "compare_with_base",
+    "min_accuracy_ratio",
+    "retention",
+    "base_cache",
+    "base_cache_dir",
+)
+# Keys of the model block that say where files go, not which model it is.
+NOT_MODEL = ("cache_dir",)
+
+
+def _canonical(payload) -> str:
+    return json.dumps(payload, sort_keys=True, default=str, separators=(",", ":"))
+
+
+def _sha256(text: str | bytes) -> str:
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()
+
+
+def records_digest(records: list) -> dict:
+    """The test records scored, by identity: their ids in order and a hash of their content
+    (every field of every record, in order)."""
+    rows = [asdict(r) if is_dataclass(r) else dict(r) for r in records]
+    return {
+        "n": len(rows),
+        "ids": [str(r.get("id", "")) for r in rows],
+        "sha256": _sha256(_canonical(rows)),
+    }
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's bytes (a retention task's local data)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@functools.cache
+def code_version() -> dict:
+    """The scoring code's version: the package's version, a hash of every source file of the
+    package (a change anywhere invalidates: cheaper than a wrong row) and the libraries'."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import calm_lightning
+
+    package = Path(calm_lightning.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    libraries = {}
+    for name in ("torch", "transformers", "peft"):
+        try:
+            libraries[name] = version(name)
+        except PackageNotFoundError:
+            libraries[name] = None
+    return {
+        "calm_lightning": calm_lightning.__version__,
+        "sources": digest.hexdigest(),
+        **libraries,
+    }
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a cached row depends on (`inputs`) and its digest (the entry's name)."""
+
+    kind: str  # "base" | "retention_base"
+    inputs: dict
+
+    @property
+    def digest(self) -> str:
+        return _sha256(_canonical(self.inputs))
+
+    @property
+    def entry_name(self) -> str:
+        return f"{self.kind}-{self.digest[:20]}"
+
+
+def _plain(node) -> dict:
+    from omegaconf import DictConfig, OmegaConf
+
+    if node is None:
+        return {}
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def _wrapping(cfg, method_cls) -> dict:
+    """How the scored model was built from the loaded one: the method's class, its head and
+    (when the method attaches them) its adapters. Zero-initialised adapters and an identity
+    head leave the logits as they are, but a centred head, for one, not to the last bit."""
+    return {
+        "method_class": f"{method_cls.__module__}.{method_cls.__qualname__}",
+        "head": _plain(cfg.method.get("head")) if method_cls.head else None,
+        "peft": _plain(cfg.get("peft")) if method_cls.uses_adapter else None,
+    }
+
+
+def _model(cfg) -> dict:
+    return {k: v for k, v in _plain(cfg.model).items() if k not in NOT_MODEL}
+
+
+def _numerics(trainer) -> dict:
+    return {
+        "device": trainer.strategy.root_device.type,
+        "precision": str(trainer.precision),
+        "world_size": int(trainer.world_size),
+    }
+
+
+def base_fingerprint(cfg, method_cls, test_records: list, trainer) -> Fingerprint:
+    """The fingerprint of the base row of a run (see the module doc)."""
+    evaluation = {k: v for k, v in _plain(cfg.evaluation).items() if k not in NOT_SCORING}
+    from calm_lightning.data.records import OpenQARecord
+
+    if not any(isinstance(r, OpenQARecord) for r in test_records[:1]):
+        # Multiple-choice scoring never samples: the open-QA block (whose seed follows the
+        # run's) does not enter, so the jobs of a seeds grid share one base row.
+        evaluation.pop("openqa", None)
+    setting = cfg.setting
+    return Fingerprint(
+        "base",
+        {
+            "model": _model(cfg),
+            "test": records_digest(test_records),
+            "scoring": evaluation,
+            "batches": {
+                "eval_batch_size": setting.get("eval_batch_size"),
+                "eval_max_length": setting.get("eval_max_length"),
+            },
+            "wrapping": _wrapping(cfg, method_cls),
+            "numerics": _numerics(trainer),
+            "labels": {"model": cfg.model.get("name"), "setting": setting.get("name")},
+            "code": code_version(),
+        },
+    )
+
+
+def retention_fingerprint(cfg, method_cls, settings) -> Fingerprint:
+    """The fingerprint of the base retention row: the model, the lm-eval tasks with the hash
+    of each local data file (tasks read from the Hub are named, at lm-eval's version), the
+    limit, batch size and bins, and the code."""
+    from importlib.metadata import version
+
+    import torch
+
+    return Fingerprint(
+        "retention_base",
+        {
+            "model": _model(cfg),
+            "tasks": list(settings.tasks),
+            "data_files": {
+                task: [[str(p), file_digest(p)] for p in paths]
+                for task, paths in sorted(settings.data_files.items())
+            },
+            "limit": settings.limit,
+            "batch_size": settings.batch_size,
+            "n_bins": settings.n_bins,
+            "lm_eval": version("lm_eval"),
+            "wrapping": _wrapping(cfg, method_cls),
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "code": code_version(),
+        },
+    )
+
+
+def cache_root(cfg) -> Path | None:
+    """Where a run's cache lives: `evaluation.base_cache_dir`, else the sweep's folder in a
+    multirun (every job of the sweep shares it), else the run's own folder; None when
+    `evaluation.base_cache=false`."""
+    evaluation = cfg.get("evaluation") or {}
+    if not evaluation.get("base_cache", True):
+        return None
+    folder = evaluation.get("base_cache_dir")
+    if not folder:
+        from calm_lightning.runtime.resolvers import in_multirun
+
+        if in_multirun():
+            from hydra.core.hydra_config import HydraConfig
+
+            folder = HydraConfig.get().sweep.dir
+        else:
+            folder = cfg.paths.output_dir
+    return Path(str(folder)).expanduser() / BASE_CACHE_DIR
+
+
+@contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on `path` (created), held until the block ends."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class BaseCache:
+    """The cache of one run: `root` (None = off). `fetch` hands back an entry's folder to read
+    from, or computes and stores one."""
+
+    def __init__(self, root: Path | None) -> None:
+        self.root = root
+
+    @classmethod
+    def from_config(cls, cfg) -> BaseCache:
+        return cls(cache_root(cfg))
+
+    @property
+    def enabled(self) -> bool:
+        return self.root is not None
+
+    def _matching_entry(self, fingerprint: Fingerprint) -> Path | None:
+        entry = self.root / fingerprint.entry_name
+        stored = read_cache_entry(entry)
+        if stored is None:
+            return None
+        if stored.get("inputs") != json.loads(_canonical(fingerprint.inputs)):
+            log.warning("%s: stored fingerprint differs from this run's; not used", entry)
+            return None
+        return entry
+
+    def fetch(
+        self, fingerprint: Fingerprint, compute: Callable[[], dict], files: Path | None = None
+    ) -> tuple[dict, dict]:
+        """(payload, record). A matching entry: its payload, record status `read` (the entry's
+        other files are in `record["entry"]`). Otherwise `compute()` runs (it returns the JSON
+        payload and writes its files to the folder `files`) and, with the cache on, the
+        payload and `files` are stored: status `computed`. With the cache off: status `off`.
+        The record names the fingerprint's digest, as metrics.json keeps it."""
+        from calm_lightning.runtime.distributed import gather_objects, is_main_process
+
+        record = {"status": "off", "fingerprint": fingerprint.digest}
+        if not self.enabled:
+            return compute(), record
+        record["entry"] = str(self.root / fingerprint.entry_name)
+        main = is_main_process()
+        lock = self.root / f".{fingerprint.entry_name}.lock"
+        with _exclusive(lock) if main else _nothing():
+            entry = self._matching_entry(fingerprint) if main else None
+            # Rank 0 decides for every rank (one process: its own decision).
+            found = gather_objects(None if entry is None else str(entry))[0]
+            if found is not None:
+                stored = read_cache_entry(Path(found))
+                return stored["payload"], {**record, "status": "read"}
+            payload = compute()
+            if main:
+                self._store(fingerprint, payload, files)
+            return payload, {**record, "status": "computed"}
+
+    def _store(self, fingerprint: Fingerprint, payload: dict, files: Path | None) -> None:
+        """Build the entry in a temporary folder, then rename it into place (atomic)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{fingerprint.entry_name}."))
+        try:
+            if files is not None and files.is_dir():
+                for path in sorted(files.iterdir()):
+                    if path.is_file():
+                        shutil.copyfile(path, tmp / path.name)
+            write_cache_entry(
+                tmp,
+                {
+                    "kind": fingerprint.kind,
+                    "digest": fingerprint.digest,
+                    "inputs": fingerprint.inputs,
+                    "payload": payload,
+                },
+            )
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the sweep's files are not
+            os.rename(tmp, self.root / fingerprint.entry_name)
+        except OSError as err:  # another job stored it first (no lock on this filesystem)
+            log.warning("base cache: %s not stored (%s)", fingerprint.entry_name, err)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def restore(entry: str | Path, folder: Path) -> None:
+        """Copy an entry's files (not its own record) into a run's folder."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in sorted(Path(entry).iterdir()):
+            if path.is_file() and path.name != CACHE_ENTRY_FILE:
+                shutil.copyfile(path, folder / path.name)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield

@@ -1,0 +1,235 @@
+"""The base row computed once per sweep: what the fingerprint holds, one computation among
+concurrent jobs, and runs that read their base row equal to runs that score it, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from calm_lightning.data.sources import EmbeddedDemoSource
+from calm_lightning.methods.base import method_class
+from calm_lightning.pipeline import run_experiment
+from calm_lightning.runtime.base_cache import BaseCache, Fingerprint, base_fingerprint
+from calm_lightning.runtime.run_record import BASE_CACHE_DIR, BASE_DIR, METRICS_FILE
+
+TINY_CALM = [
+    "model=tiny",
+    "method=calm",
+    "peft.r=4",
+    "setting=demo",
+    "setting.test.limit=8",
+    "setting.eval_batch_size=8",
+    "trainer.limit_train_batches=1",
+    "method.module.inner_steps=1",
+    "trainer.enable_progress_bar=false",
+    "logger=none",
+]
+CPU_TRAINER = SimpleNamespace(
+    strategy=SimpleNamespace(root_device=torch.device("cpu")), precision="32-true", world_size=1
+)
+
+
+def _fingerprint(compose, overrides, limit=8) -> Fingerprint:
+    cfg = compose([*TINY_CALM, *overrides], "/tmp/unused")
+    records = EmbeddedDemoSource("mcqa", "test", limit=limit).load()
+    return base_fingerprint(cfg, method_class(cfg), records, CPU_TRAINER)
+
+
+def test_fingerprint_follows_what_the_base_row_depends_on(compose):
+    same = _fingerprint(compose, ["method.module.upper_lr=0.5", "method.module.lower_lr=0.1"])
+    reference = _fingerprint(compose, [])
+    assert same.digest == reference.digest  # training settings do not change the base row
+    assert reference.inputs["test"]["ids"] == [
+        r.id for r in EmbeddedDemoSource("mcqa", "test", limit=8).load()
+    ]
+    changed = {
+        "test limit": _fingerprint(compose, [], limit=7),
+        "model dtype": _fingerprint(compose, ["model.dtype=bfloat16"]),
+        "logit scale": _fingerprint(compose, ["model.logit_scale=4.0"]),
+        "option tokens": _fingerprint(compose, ["evaluation.option_tokens=space"]),
+        "scoring": _fingerprint(compose, ["evaluation.scoring=cloze"]),
+        "normalisation": _fingerprint(compose, ["evaluation.cloze.normalize=chars"]),
+        "bins": _fingerprint(compose, ["evaluation.n_bins=15"]),
+        "head": _fingerprint(compose, ["method.head.center=logsumexp"]),
+        "batches": _fingerprint(compose, ["setting.eval_batch_size=4"]),
+    }
+    for what, fingerprint in changed.items():
+        assert fingerprint.digest != reference.digest, what
+    # Multiple-choice scoring never samples: the seed (and the open-QA block it feeds) does
+    # not enter; open-QA test data samples with it, so there it does.
+    assert _fingerprint(compose, ["seed=1", "evaluation.openqa.seed=3"]).digest == reference.digest
+    cfg = compose(TINY_CALM, "/tmp/unused")
+    questions = EmbeddedDemoSource("openqa", "test", limit=4).load()
+    sampled = {
+        seed: base_fingerprint(
+            compose([*TINY_CALM, f"evaluation.openqa.seed={seed}"], "/tmp/unused"),
+            method_class(cfg),
+            questions,
+            CPU_TRAINER,
+        ).digest
+        for seed in (0, 3)
+    }
+    assert sampled[0] != sampled[3]
+    # A changed record under the same id misses too (a hash of the content, not only the ids).
+    from dataclasses import replace
+
+    records = EmbeddedDemoSource("mcqa", "test", limit=8).load()
+    edited = [replace(records[0], answer=(records[0].answer + 1) % 4), *records[1:]]
+    cfg = compose(TINY_CALM, "/tmp/unused")
+    moved = base_fingerprint(cfg, method_class(cfg), edited, CPU_TRAINER)
+    assert moved.inputs["test"]["ids"] == reference.inputs["test"]["ids"]
+    assert moved.digest != reference.digest
+
+
+def _job(root: str, log: str, index: int, barrier) -> None:
+    """One concurrent job: compute (slowly, appending to `log`) unless another job did."""
+    cache = BaseCache(Path(root))
+    fingerprint = Fingerprint("base", {"what": "shared"})
+
+    def compute() -> dict:
+        with open(log, "a") as handle:
+            handle.write(f"{index}\n")
+        time.sleep(0.5)
+        return {"value": index}
+
+    barrier.wait()
+    payload, record = cache.fetch(fingerprint, compute)
+    Path(root, f"job{index}.json").write_text(json.dumps([payload, record["status"]]))
+
+
+def test_concurrent_jobs_compute_once_and_the_others_read(tmp_path):
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(4)
+    log = tmp_path / "computed.txt"
+    jobs = [
+        context.Process(target=_job, args=(str(tmp_path / "cache"), str(log), i, barrier))
+        for i in range(4)
+    ]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join(30)
+        assert job.exitcode == 0
+    (computer,) = [int(line) for line in log.read_text().split()]  # exactly one computation
+    results = [json.loads((tmp_path / "cache" / f"job{i}.json").read_text()) for i in range(4)]
+    assert all(payload == {"value": computer} for payload, _ in results)
+    statuses = sorted(status for _, status in results)
+    assert statuses == ["computed", "read", "read", "read"]
+    assert not [
+        p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".base-") and p.is_dir()
+    ]
+
+
+def test_a_mismatched_entry_is_never_used(tmp_path):
+    cache = BaseCache(tmp_path)
+    fingerprint = Fingerprint("base", {"what": 1})
+    cache.fetch(fingerprint, lambda: {"value": 1})
+    # An entry under the same name whose stored fingerprint is another's (a forged or
+    # truncated-digest clash) is computed again, not read.
+    entry = tmp_path / fingerprint.entry_name / "cache_entry.json"
+    stored = json.loads(entry.read_text())
+    entry.write_text(json.dumps({**stored, "inputs": {"what": 2}}))
+    payload, record = cache.fetch(fingerprint, lambda: {"value": "recomputed"})
+    assert record["status"] == "computed" and payload == {"value": "recomputed"}
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_jobs_read_the_base_row_and_match_an_uncached_run(tmp_path, compose):
+    shared = [*TINY_CALM, f"evaluation.base_cache_dir={tmp_path / 'sweep'}"]
+    records = {}
+    for name, extra in {
+        "first": ["method.module.upper_lr=0.01"],
+        "second": ["method.module.upper_lr=0.05"],
+        "uncached": ["method.module.upper_lr=0.05", "evaluation.base_cache=false"],
+    }.items():
+        run_experiment(compose([*shared, *extra], tmp_path / name))
+        records[name] = json.loads((tmp_path / name / METRICS_FILE).read_text())
+    first, second = records["first"]["base_cache"]["base"], records["second"]["base_cache"]["base"]
+    assert first["status"] == "computed" and second["status"] == "read"
+    assert first["fingerprint"] == second["fingerprint"]
+    assert records["uncached"]["base_cache"]["base"]["status"] == "off"
+    # The run that read its base row is the uncached run, byte for byte: the base folder,
+    # every compared row, the method's predictions.
+    assert _files(tmp_path / "second" / BASE_DIR) == _files(tmp_path / "uncached" / BASE_DIR)
+    assert json.dumps(records["second"]["comparison"]) == json.dumps(
+        records["uncached"]["comparison"]
+    )
+    assert (tmp_path / "second" / "predictions.jsonl").read_bytes() == (
+        tmp_path / "uncached" / "predictions.jsonl"
+    ).read_bytes()
+
+
+@pytest.mark.slow
+def test_multirun_of_three_jobs_evaluates_the_base_once(tmp_path):
+    """The command line: `--multirun method.module.upper_lr=a,b,c` with the sweep's own cache."""
+    import os
+    import subprocess
+    import sys
+
+    args = [
+        sys.executable,
+        "-m",
+        "calm_lightning.run",
+        "--multirun",
+        *TINY_CALM,
+        "method.module.upper_lr=0.01,0.05,0.1",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    jobs = sorted((tmp_path / "sweep").glob("[0-9]_*"))
+    assert len(jobs) == 3
+    cached = [json.loads((j / METRICS_FILE).read_text())["base_cache"]["base"] for j in jobs]
+    assert [c["status"] for c in cached] == ["computed", "read", "read"]
+    assert len({c["fingerprint"] for c in cached}) == 1
+    assert cached[0]["entry"].startswith(str(tmp_path / "sweep" / BASE_CACHE_DIR))
+    # Another test limit, reading the same cache: another fingerprint, computed.
+    args[-1] = f"hydra.sweep.dir={tmp_path / 'other'}"
+    args[args.index("method.module.upper_lr=0.01,0.05,0.1")] = "method.module.upper_lr=0.05"
+    args += ["setting.test.limit=6", f"evaluation.base_cache_dir={tmp_path / 'sweep'}"]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (job,) = (tmp_path / "other").glob("[0-9]_*")
+    other = json.loads((job / METRICS_FILE).read_text())
+    assert other["base_cache"]["base"]["status"] == "computed"
+    assert other["base_cache"]["base"]["fingerprint"] != cached[0]["fingerprint"]
+    assert other["comparison"]["base"]["n"] == 6
+    assert len([p for p in (tmp_path / "sweep" / BASE_CACHE_DIR).iterdir() if p.is_dir()]) == 2
+
+
+def test_the_base_retention_row_is_read_by_the_next_job(tmp_path, compose):
+    pytest.importorskip("lm_eval")
+    hub = Path(__file__).parent / "fixtures" / "hub"
+    overrides = [
+        "model=tiny",
+        "method=base",
+        "setting.test.limit=4",
+        "logger=none",
+        "trainer.enable_progress_bar=false",
+        "evaluation.retention.tasks=[arc_challenge]",
+        f"evaluation.retention.data_files.arc_challenge=[{hub / 'arc_challenge.jsonl'}]",
+        "evaluation.retention.limit=3",
+        f"evaluation.base_cache_dir={tmp_path / 'sweep'}",
+    ]
+    for name in ("first", "second"):
+        run_experiment(compose(overrides, tmp_path / name))
+    cached = [
+        json.loads((tmp_path / n / METRICS_FILE).read_text())["base_cache"]["retention_base"]
+        for n in ("first", "second")
+    ]
+    assert [c["status"] for c in cached] == ["computed", "read"]
+    assert cached[0]["fingerprint"] == cached[1]["fingerprint"]
+    rows = [json.loads((tmp_path / n / "retention.json").read_text()) for n in ("first", "second")]
+    assert rows[0]["rows"] == rows[1]["rows"] and rows[0]["rows"]["base"]["arc_challenge"]["n"] == 3
+    samples = [_files(tmp_path / n / "retention" / "base") for n in ("first", "second")]
+    assert samples[0] == samples[1] and samples[0]
