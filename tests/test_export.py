@@ -494,6 +494,9 @@ def test_a_cloze_run_exports_its_scoring_and_load_calibrated_reproduces_it(tmp_p
     calibrated = load_calibrated(folder, device="cpu")
     probs = [calibrated.option_probabilities(r.question, list(r.choices)) for r in records]
     np.testing.assert_allclose(np.array(probs), _predictions(run_dir), atol=1e-5)
+    card = (folder / "README.md").read_text()
+    assert "scored by **cloze**" in card and "normalisation `none`" in card
+    assert "option letters" not in card and "token ids []" not in card
 
 
 # ----- serving: the calibration travels with the weights -----
@@ -746,3 +749,96 @@ def test_the_processor_is_exact_under_beam_search_or_refuses(calm_run, exported,
     expected = _beam_search(_project_logits(CalibratedLM(model, head)), ids[0].tolist(), STEPS,
                             3, eos)  # fmt: skip
     assert out == expected and out != plain
+
+
+def test_the_card_names_its_protocol_and_holds_no_local_path(calm_run, exported, tmp_path):
+    """Hub front matter complete; the serving note first; no absolute path in any file."""
+    folder = exported["merged"]
+    text = (folder / "README.md").read_text()
+    _, front, body = text.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    for key in ("library_name", "license", "language", "tags", "model-index"):
+        assert meta[key], key
+    assert meta["license"] == "other" and "custom_code" in meta["tags"]  # the tiny model's
+    (result,) = meta["model-index"][0]["results"]
+    run_metrics = json.loads((calm_run / "metrics.json").read_text())["metrics"]
+    values = {m["type"]: m["value"] for m in result["metrics"]}
+    assert values["conf_ece"] == pytest.approx(run_metrics["conf_ece"], abs=1e-6)
+    assert values["accuracy"] == pytest.approx(run_metrics["accuracy"], abs=1e-6)
+    # The serving note comes before anything else: whether a server gets the calibration.
+    first_section = body.split("\n## ")[1]
+    assert first_section.startswith("Serving") and "trust_remote_code=True" in first_section
+    assert "uncalibrated" in first_section
+    assert "option letters" in body and "cloze" not in body.split("## Evaluation")[0].lower()
+    for path in folder.rglob("*"):
+        if path.suffix in (".json", ".md", ".py", ".jinja", ".txt"):
+            content = path.read_text()
+            for private in (str(ROOT), str(calm_run), str(Path.home()), "/tmp/"):
+                assert private not in content, (path.name, private)
+
+
+def test_the_front_matter_lists_the_settings_hub_datasets(compose, ood_overrides):
+    from calm_lightning.exported.model_card import hub_datasets
+
+    cfg = compose(["model=smollm2", "method=calm", *ood_overrides])
+    assert set(hub_datasets(cfg)) == {
+        "tatsu-lab/alpaca",
+        "cais/mmlu",
+        "openlifescienceai/medmcqa",
+        "allenai/openbookqa",
+        "allenai/ai2_arc",
+    }
+    assert cfg.model.license == "apache-2.0"
+
+
+@pytest.mark.slow
+def test_lm_evals_own_hf_model_on_the_calm_export_matches_our_retention(
+    calm_run, exported, tmp_path
+):
+    """Must-show: `lm_eval --model hf --model_args pretrained=<export>,trust_remote_code=True`
+    scores PIQA (local files) as our retention scores the run: same accuracy (within 0.01) and
+    the same per-choice log-likelihoods, which the head changes."""
+    from calm_lightning.evaluation.lm_eval_retention import local_task_config
+    from calm_lightning.retention import evaluate_run
+
+    piqa = str(ROOT / "tests" / "fixtures" / "hub" / "piqa.jsonl")
+    arguments = {"tasks": ["piqa"], "data_files": {"piqa": [piqa]}}
+    ours = json.loads(evaluate_run(calm_run, arguments, out=tmp_path / "ours").read_text())
+    served = json.loads(
+        evaluate_run(exported["merged"], arguments, out=tmp_path / "served").read_text()
+    )
+    assert served["rows"]["export"]["piqa"]["acc"] == ours["rows"]["calm"]["piqa"]["acc"]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    config = {**local_task_config("piqa", (piqa,), ""), "task": "piqa_local"}
+    (tasks / "piqa_local.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    env = _env()
+    env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
+    command = [
+        sys.executable, "-m", "lm_eval", "--model", "hf",
+        "--model_args", f"pretrained={exported['merged']},trust_remote_code=True,dtype=float32",
+        "--tasks", "piqa_local", "--include_path", str(tasks), "--device", "cpu",
+        "--batch_size", "8", "--output_path", str(tmp_path / "lm_eval"), "--log_samples",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (results,) = (tmp_path / "lm_eval").rglob("results_*.json")
+    theirs = json.loads(results.read_text())["results"]["piqa_local"]
+    assert abs(theirs["acc,none"] - ours["rows"]["calm"]["piqa"]["acc"]) <= 0.01
+    (samples,) = (tmp_path / "lm_eval").rglob("samples_piqa_local_*.jsonl")
+    their_ll = {
+        s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]]
+        for s in map(json.loads, samples.read_text().splitlines())
+    }
+
+    def our_ll(name: str) -> dict:
+        path = tmp_path / "ours" / "retention" / name / "piqa.jsonl"
+        rows = map(json.loads, path.read_text().splitlines())
+        return {r["doc_id"]: r["loglikelihoods"] for r in rows}
+
+    calibrated, base = our_ll("calm"), our_ll("base")
+    assert their_ll.keys() == calibrated.keys()
+    doc_ids = sorted(calibrated)
+    theirs_array = np.array([their_ll[i] for i in doc_ids])
+    np.testing.assert_allclose(theirs_array, np.array([calibrated[i] for i in doc_ids]), atol=1e-3)
+    assert np.abs(theirs_array - np.array([base[i] for i in doc_ids])).max() > 1e-2

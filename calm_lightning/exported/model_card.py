@@ -138,7 +138,17 @@ def _title(run, info: dict) -> str:
         f"Exported by `python -m calm_lightning.export` from a calm-lightning run "
         f"(model `{run.cfg.model.name}`, method `{run.method}`, setting "
         f"`{run.cfg.setting.name}`, seed {run.cfg.get('seed')}). {weights} "
-        f"Weights are stored in {info['weights']['dtype']}.\n"
+        f"Weights are stored in {info['weights']['dtype']}.{_qlora_note(info)}\n"
+    )
+
+
+def _qlora_note(info: dict) -> str:
+    if not (info["weights"]["trained_on_4bit_base"] and info["weights"]["adapter"]):
+        return ""
+    return (
+        " The adapters were trained on the base model's 4-bit nf4 weights and are applied "
+        f"here to its original weights in {info['weights']['dtype']}, not to the dequantized "
+        "4-bit ones: this model's numbers differ slightly from the run's."
     )
 
 
