@@ -639,6 +639,25 @@ def test_a_temperature_run_folds_into_the_weights_and_serves_without_the_project
     np.testing.assert_allclose(np.array(probs), _predictions(run_dir)[:4], atol=1e-5)
 
 
+def test_a_folded_export_evaluates_as_a_base_model(ts_run, tmp_path, compose):
+    """The MCQA evaluation of a folded export: `method=base model.local_path=<export>` scores
+    the run's test questions as the TS run did."""
+    run_dir, cfg = ts_run
+    folder = export_run(run_dir, tmp_path / "folded")
+    overrides = [
+        "model=smollm2",
+        f"model.local_path={folder}",
+        "method=base",
+        f"evaluation.scoring={cfg.evaluation.scoring}",  # the tiny run's, not SmolLM2's default
+        "setting=demo_posthoc",
+        "setting.test.source.limit=40",
+        "trainer.enable_progress_bar=false",
+        "logger=none",
+    ]
+    run_experiment(compose(overrides, tmp_path / "served"))
+    np.testing.assert_allclose(_predictions(tmp_path / "served"), _predictions(run_dir), atol=1e-5)
+
+
 def test_fold_head_is_exact_where_it_folds_and_refuses_where_it_cannot(compose):
     """Each foldable head kind against head(logits) computed by hand; the others refused."""
     from calm_lightning.exported.folding import fold_head, fold_obstacle
