@@ -8,6 +8,11 @@ or temperature) is attached and the same tasks are scored again. Writes <out>/re
 (out defaults to run_dir, where the sweep report finds it) and prints the table. Tasks and
 data files default to the run's own `evaluation.retention` block; docs/retention.md has more.
 
+`run_dir` may also be a folder written by `python -m calm_lightning.export`: its calibrated
+model is scored as served (one `export` row; `tasks=` is then required, there is no run
+config to read them from), so an export can be checked against its run's retention and
+against lm-eval's own `hf` model on the same folder.
+
 Arguments are key=value like a run's command line (lists as [a,b]), parsed with OmegaConf's
 dotlist rather than Hydra: there is nothing to compose.
 """
@@ -55,9 +60,12 @@ def settings_for(run_cfg, arguments: dict):
 
     from calm_lightning.evaluation.lm_eval_retention import RetentionSettings
 
-    block = OmegaConf.select(run_cfg, "evaluation.retention", default=None)
+    block = (
+        None if run_cfg is None else OmegaConf.select(run_cfg, "evaluation.retention", default=None)
+    )
     values = OmegaConf.to_container(block, resolve=True) if block is not None else {}
-    values.setdefault("n_bins", OmegaConf.select(run_cfg, "evaluation.n_bins", default=10))
+    if run_cfg is not None:
+        values.setdefault("n_bins", OmegaConf.select(run_cfg, "evaluation.n_bins", default=10))
     for key in ("tasks", "limit", "batch_size", "n_bins"):
         if key in arguments:
             values[key] = arguments[key]
@@ -93,10 +101,13 @@ def evaluate_run(
     the model); returns the retention.json it wrote."""
     from calm_lightning.evaluation.lm_eval_retention import RetentionStep
     from calm_lightning.evaluation.results import run_meta
+    from calm_lightning.exported.logits_processor import CALIBRATION_FILE
     from calm_lightning.exported.writer import inspect_run, load_base_model, target_dtype
     from calm_lightning.models.calibrated_lm import CalibratedLM
-    from calm_lightning.runtime.run_record import RETENTION_FILE, write_retention
+    from calm_lightning.runtime.run_record import RETENTION_FILE, is_run_dir, write_retention
 
+    if not is_run_dir(run_dir) and (Path(run_dir) / CALIBRATION_FILE).is_file():
+        return evaluate_export(run_dir, arguments, out, overwrite)
     run = inspect_run(run_dir, exporting=False)
     out = Path(out) if out else run.run_dir
     target = out / RETENTION_FILE
@@ -114,6 +125,41 @@ def evaluate_run(
     meta = {**run_meta(run.cfg), "run_dir": str(run.run_dir.resolve()), "source": "saved run"}
     path = write_retention(out, retention.record(meta))
     print(f"\nretention of {run.run_dir} (lm-eval, zero-shot; {path})")
+    print(retention.table())
+    return path
+
+
+def evaluate_export(
+    folder: str | Path,
+    arguments: dict | None = None,
+    out: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Retention of an exported folder, scored as `load_calibrated` serves it (the folded
+    weights, or the weights plus the folder's head): one `export` row."""
+    from calm_lightning.evaluation.lm_eval_retention import RetentionStep
+    from calm_lightning.exported.inference import load_calibrated
+    from calm_lightning.models.calibrated_lm import CalibratedLM
+    from calm_lightning.runtime.run_record import RETENTION_FILE, write_retention
+
+    folder = Path(folder)
+    out = Path(out) if out else folder
+    target = out / RETENTION_FILE
+    if target.exists() and not overwrite:
+        raise ConfigError(
+            f"{target} exists; pass overwrite=true to replace it, or another out=<dir>"
+        )
+    retention = RetentionStep(settings_for(None, arguments or {}), out)
+    calibrated = load_calibrated(folder)
+    lm = CalibratedLM(calibrated.model, calibrated.processor.head).eval()
+    retention.evaluate("export", lm, calibrated.tokenizer)
+    meta = {
+        "method": calibrated.calibration.get("method", {}).get("name"),
+        "source": "export",
+        "export": folder.resolve().name,
+    }
+    path = write_retention(out, retention.record(meta))
+    print(f"\nretention of the export {folder} (lm-eval, zero-shot; {path})")
     print(retention.table())
     return path
 

@@ -256,13 +256,10 @@ def test_greedy_generation_with_the_processor_equals_the_project_sampler(calm_ru
     assert any(changed)  # the head changes what greedy decoding picks
 
 
-def test_temperature_only_export_divides_the_base_logits_by_t(tmp_path, compose):
-    from transformers import AutoModelForCausalLM
-
-    from calm_lightning import CalibrationLogitsProcessor, load_calibrated
-    from calm_lightning.models.loading import load_language_model
-
-    run_dir = tmp_path / "ts_run"
+@pytest.fixture(scope="module")
+def ts_run(tmp_path_factory, compose):
+    """A post-hoc temperature-scaling run of an over-confident tiny model: (run dir, config)."""
+    run_dir = tmp_path_factory.mktemp("ts_run")
     overrides = [
         "model=tiny",
         "model.logit_scale=3.0",  # an overconfident model: T clearly away from 1
@@ -274,10 +271,21 @@ def test_temperature_only_export_divides_the_base_logits_by_t(tmp_path, compose)
     ]
     cfg = compose(overrides, run_dir)
     run_experiment(cfg)
-    folder = export_run(run_dir, tmp_path / "ts_export")
+    return run_dir, cfg
+
+
+def test_temperature_only_export_divides_the_base_logits_by_t(ts_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from calm_lightning import CalibrationLogitsProcessor, load_calibrated
+    from calm_lightning.models.loading import load_language_model
+
+    run_dir, cfg = ts_run
+    folder = export_run(run_dir, tmp_path / "ts_export", fold="false")  # the head kept apart
     temperature = json.loads((run_dir / "metrics.json").read_text())["posthoc"]["temperature"]
     info = json.loads((folder / "calibration.json").read_text())
     assert info["head"]["kind"] == "scalar" and info["weights"]["adapter"] is None
+    assert info["serving"]["calibration"] == "custom_code"
     assert info["head"]["temperature"] == pytest.approx(temperature, rel=1e-6)
     assert info["method"]["fitted"]["temperature"] == temperature
     assert abs(temperature - 1.0) > 0.1
@@ -486,3 +494,370 @@ def test_a_cloze_run_exports_its_scoring_and_load_calibrated_reproduces_it(tmp_p
     calibrated = load_calibrated(folder, device="cpu")
     probs = [calibrated.option_probabilities(r.question, list(r.choices)) for r in records]
     np.testing.assert_allclose(np.array(probs), _predictions(run_dir), atol=1e-5)
+    card = (folder / "README.md").read_text()
+    assert "scored by **cloze**" in card and "normalisation `none`" in card
+    assert "option letters" not in card and "token ids []" not in card
+
+
+# ----- serving: the calibration travels with the weights -----
+
+# Runs where `import calm_lightning` fails: plain transformers only, with or without the
+# folder's custom code. Prints next-token probabilities, a greedy and a beam-search decoding.
+NO_PROJECT = r"""
+import json, sys
+sys.modules["calm_lightning"] = None  # `import calm_lightning` raises ImportError from here on
+try:
+    import calm_lightning
+    blocked = False
+except ImportError:
+    blocked = True
+import torch
+from transformers import AutoModelForCausalLM
+
+args = json.loads(sys.argv[1])
+model = AutoModelForCausalLM.from_pretrained(
+    args["folder"], trust_remote_code=args["remote"], dtype=torch.float32
+).eval()
+ids = torch.tensor(args["ids"])
+steps = args["steps"]
+with torch.no_grad():
+    probs = torch.softmax(model(input_ids=ids).logits[:, -1].float(), dim=-1)
+    greedy = model.generate(
+        ids[:1], do_sample=False, max_new_tokens=steps, min_new_tokens=steps
+    )
+    beam = model.generate(
+        ids[:1], do_sample=False, num_beams=3, max_new_tokens=steps, min_new_tokens=steps
+    )
+print(json.dumps({"blocked": blocked, "class": type(model).__name__, "probs": probs.tolist(),
+                  "greedy": greedy[0].tolist(), "beam": beam[0].tolist()}))
+"""
+PROBE_IDS = [[5, 17, 300, 41, 9, 1200], [88, 7, 7, 2301, 15, 4]]
+STEPS = 4
+
+
+def _without_project(folder: Path, remote: bool, tmp_path: Path) -> dict:
+    env = _env()
+    env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")  # custom code copied here
+    args = {"folder": str(folder), "remote": remote, "ids": PROBE_IDS, "steps": STEPS}
+    done = subprocess.run(
+        [sys.executable, "-c", NO_PROJECT, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["blocked"]
+    return result
+
+
+def _greedy(logits_fn, ids: list[int], steps: int, eos: int) -> list[int]:
+    """Greedy decoding by hand on `logits_fn` (ids -> next-token logits), EOS excluded."""
+    seq = list(ids)
+    for _ in range(steps):
+        logits = logits_fn(seq).double()
+        logits[eos] = -float("inf")
+        seq.append(int(logits.argmax()))
+    return seq
+
+
+def _beam_search(logits_fn, ids: list[int], steps: int, beams: int, eos: int) -> list[int]:
+    """Beam search by hand: keep the `beams` best sequences by summed log-probability of the
+    calibrated distribution (EOS excluded, as min_new_tokens does); the best at the end."""
+    kept = [(0.0, list(ids))]
+    for _ in range(steps):
+        candidates = []
+        for score, seq in kept:
+            logits = logits_fn(seq).double()
+            logits[eos] = -float("inf")
+            log_probs = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(log_probs, beams)
+            candidates += [
+                (score + float(v), [*seq, int(i)])
+                for v, i in zip(top.values, top.indices, strict=True)
+            ]
+        kept = sorted(candidates, key=lambda c: -c[0])[:beams]
+    return kept[0][1]
+
+
+def _project_logits(calibrated):
+    def logits_fn(seq: list[int]) -> torch.Tensor:
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            return calibrated(ids, torch.ones_like(ids))[0, -1]
+
+    return logits_fn
+
+
+def test_a_temperature_run_folds_into_the_weights_and_serves_without_the_project(ts_run, tmp_path):
+    """Must-show: a folded TS export, loaded by plain AutoModelForCausalLM where `import
+    calm_lightning` fails, gives the calibrated next-token distribution (base / T)."""
+    from safetensors.torch import load_file
+
+    from calm_lightning import CalibrationLogitsProcessor, load_calibrated
+    from calm_lightning.models.loading import load_language_model
+
+    run_dir, cfg = ts_run
+    folder = export_run(run_dir, tmp_path / "folded")  # fold=auto: a scalar head folds
+    info = json.loads((folder / "calibration.json").read_text())
+    temperature = info["head"]["temperature"]
+    assert info["serving"]["calibration"] == "folded" and not info["serving"]["trust_remote_code"]
+    assert info["serving"]["max_probability_error"] < 1e-5
+    assert info["head"]["file"] is None and not (folder / "logit_adjustment.safetensors").exists()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and "auto_map" not in config
+    assert not (folder / "modeling_calibrated.py").exists()
+
+    base = load_language_model(cfg.model).model.eval()
+    ids = torch.tensor(PROBE_IDS)
+    with torch.no_grad():
+        expected = torch.softmax(base(input_ids=ids).logits[:, -1] / temperature, dim=-1)
+    result = _without_project(folder, remote=False, tmp_path=tmp_path)
+    assert result["class"] == "LlamaForCausalLM"
+    probs = torch.tensor(result["probs"])
+    torch.testing.assert_close(probs, expected, atol=1e-4, rtol=0)
+    # Teeth: the temperature moved these probabilities well beyond the tolerance.
+    with torch.no_grad():
+        untouched = torch.softmax(base(input_ids=ids).logits[:, -1], dim=-1)
+    assert (untouched - expected).abs().max() > 1e-2
+    # Untied: the input embedding is the base's, only the output layer carries 1 / T.
+    weights = load_file(folder / "model.safetensors")
+    torch.testing.assert_close(weights["model.embed_tokens.weight"], base.model.embed_tokens.weight)
+    torch.testing.assert_close(weights["lm_head.weight"], base.lm_head.weight / temperature)
+    # The project's readers apply nothing on top.
+    assert CalibrationLogitsProcessor.from_pretrained(folder).head is None
+    records = [json.loads(line) for line in (run_dir / "predictions.jsonl").open()][:4]
+    from hydra.utils import instantiate
+
+    by_id = {r.id: r for r in instantiate(cfg.setting.test).load()}
+    calibrated = load_calibrated(folder, device="cpu")
+    probs = [
+        calibrated.option_probabilities(by_id[r["id"]].question, list(by_id[r["id"]].choices))
+        for r in records
+    ]
+    np.testing.assert_allclose(np.array(probs), _predictions(run_dir)[:4], atol=1e-5)
+
+
+def test_a_folded_export_evaluates_as_a_base_model(ts_run, tmp_path, compose):
+    """The MCQA evaluation of a folded export: `method=base model.local_path=<export>` scores
+    the run's test questions as the TS run did."""
+    run_dir, cfg = ts_run
+    folder = export_run(run_dir, tmp_path / "folded")
+    overrides = [
+        "model=smollm2",
+        f"model.local_path={folder}",
+        "method=base",
+        f"evaluation.scoring={cfg.evaluation.scoring}",  # the tiny run's, not SmolLM2's default
+        "setting=demo_posthoc",
+        "setting.test.source.limit=40",
+        "trainer.enable_progress_bar=false",
+        "logger=none",
+    ]
+    run_experiment(compose(overrides, tmp_path / "served"))
+    np.testing.assert_allclose(_predictions(tmp_path / "served"), _predictions(run_dir), atol=1e-5)
+
+
+def test_fold_head_is_exact_where_it_folds_and_refuses_where_it_cannot(compose):
+    """Each foldable head kind against head(logits) computed by hand; the others refused."""
+    from calm_lightning.exported.folding import fold_head, fold_obstacle
+    from calm_lightning.models.loading import load_language_model
+    from calm_lightning.models.logit_adjustment import LogitAdjustment
+
+    cfg = compose(["model=tiny"])
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, (2, 6), generator=generator)
+    cases = [("scalar", "none"), ("scalar", "logsumexp"), ("vector", "none"), ("vector", "mean")]
+    for kind, center in cases:
+        model = load_language_model(cfg.model).model.eval()
+        head = LogitAdjustment(model.config.vocab_size, kind=kind, center=center)
+        with torch.no_grad():
+            head.scale.copy_(0.3 + torch.rand(head.scale.shape, generator=generator))
+            head.bias.fill_(0.7)  # the same for every token: cancels in the softmax
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+            z = logits - (logits.mean(-1, keepdim=True) if center == "mean" else 0)
+            expected = torch.softmax(head.scale * z + 0.7, dim=-1)
+        assert fold_obstacle(head, model, adapted_output=False) is None
+        error = fold_head(model, head, ids)
+        with torch.no_grad():
+            folded = torch.softmax(model(input_ids=ids).logits, dim=-1)
+        torch.testing.assert_close(folded, expected, atol=1e-5, rtol=0)
+        assert error < 1e-5
+        assert (torch.softmax(logits, -1) - expected).abs().max() > 1e-3
+        assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    model = load_language_model(cfg.model).model
+    vector = LogitAdjustment(model.config.vocab_size, kind="vector", center="none")
+    with torch.no_grad():
+        vector.bias[3] = 1.0
+    assert "per-token bias" in fold_obstacle(vector, model, adapted_output=False)
+    centred = LogitAdjustment(model.config.vocab_size, kind="vector", center="logsumexp")
+    assert "logsumexp" in fold_obstacle(centred, model, adapted_output=False)
+    scalar = LogitAdjustment(model.config.vocab_size, kind="scalar")
+    assert "adapter" in fold_obstacle(scalar, model, adapted_output=True)
+
+
+def test_a_calm_export_carries_its_head_as_custom_code(calm_run, exported, tmp_path):
+    """Must-show: the CALM vector head (per-token l: not foldable) loaded with
+    trust_remote_code where `import calm_lightning` fails gives the calibrated next-token
+    distribution, and greedy and beam-search generate decode the calibrated model."""
+    from calm_lightning.models.calibrated_lm import CalibratedLM
+    from calm_lightning.models.loading import load_language_model
+
+    folder = exported["merged"]
+    info = json.loads((folder / "calibration.json").read_text())
+    assert info["serving"]["calibration"] == "custom_code"
+    assert "per-token bias" in info["serving"]["why_not_folded"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoModelForCausalLM": "modeling_calibrated.CalibratedForCausalLM"
+    }
+    assert {"modeling_calibrated.py", "logit_adjustment.py", "calibration_processor.py"} <= {
+        p.name for p in folder.iterdir()
+    }
+    cfg = OmegaConf.load(calm_run / "config_resolved.yaml")
+    fresh = load_language_model(cfg.model)
+    project = CalibratedLM.load(fresh.model, calm_run / "calibration").eval()
+    ids = torch.tensor(PROBE_IDS)
+    with torch.no_grad():
+        expected = torch.softmax(project(ids, torch.ones_like(ids))[:, -1].double(), -1)
+        plain = torch.softmax(project.raw_logits(ids, torch.ones_like(ids))[:, -1].double(), -1)
+    assert (plain - expected).abs().max() > 1e-3  # the head matters here
+    eos = fresh.tokenizer.eos_token_id
+    logits_fn = _project_logits(project)
+    remote = _without_project(folder, remote=True, tmp_path=tmp_path)
+    assert remote["class"] == "CalibratedLlamaForCausalLM"
+    np.testing.assert_allclose(np.array(remote["probs"]), expected.numpy(), atol=1e-4)
+    assert remote["greedy"] == _greedy(logits_fn, PROBE_IDS[0], STEPS, eos)
+    assert remote["beam"] == _beam_search(logits_fn, PROBE_IDS[0], STEPS, 3, eos)
+    # Without trust_remote_code: the base architecture's checkpoint, the uncalibrated model.
+    uncalibrated = _without_project(folder, remote=False, tmp_path=tmp_path)
+    assert uncalibrated["class"] == "LlamaForCausalLM"
+    np.testing.assert_allclose(np.array(uncalibrated["probs"]), plain.numpy(), atol=1e-4)
+
+
+def test_the_processor_is_exact_under_beam_search_or_refuses(calm_run, exported, compose):
+    """Beam search hands processors log-probabilities: a logsumexp-centred vector head still
+    decodes the calibrated model exactly; the CALM head (vector, no centering) refuses."""
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    from calm_lightning import CalibrationLogitsProcessor
+    from calm_lightning.models.calibrated_lm import CalibratedLM
+    from calm_lightning.models.logit_adjustment import LogitAdjustment
+
+    folder = exported["merged"]
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor(PROBE_IDS[:1])
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    options = {"do_sample": False, "num_beams": 3, "max_new_tokens": STEPS}
+    options["min_new_tokens"] = STEPS
+    refusing = LogitsProcessorList([CalibrationLogitsProcessor.from_pretrained(folder)])
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        model.generate(ids, logits_processor=refusing, **options)
+
+    head = LogitAdjustment(model.config.vocab_size, kind="vector", center="logsumexp")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        head.scale.copy_(0.2 + 1.5 * torch.rand(head.vocab_size, generator=generator))
+        head.bias.copy_(torch.randn(head.vocab_size, generator=generator))
+    processors = LogitsProcessorList([CalibrationLogitsProcessor(head)])
+    with torch.no_grad():
+        out = model.generate(ids, logits_processor=processors, **options)[0].tolist()
+        plain = model.generate(ids, **options)[0].tolist()
+    expected = _beam_search(_project_logits(CalibratedLM(model, head)), ids[0].tolist(), STEPS,
+                            3, eos)  # fmt: skip
+    assert out == expected and out != plain
+
+
+def test_the_card_names_its_protocol_and_holds_no_local_path(calm_run, exported, tmp_path):
+    """Hub front matter complete; the serving note first; no absolute path in any file."""
+    folder = exported["merged"]
+    text = (folder / "README.md").read_text()
+    _, front, body = text.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    for key in ("library_name", "license", "language", "tags", "model-index"):
+        assert meta[key], key
+    assert meta["license"] == "other" and "custom_code" in meta["tags"]  # the tiny model's
+    (result,) = meta["model-index"][0]["results"]
+    run_metrics = json.loads((calm_run / "metrics.json").read_text())["metrics"]
+    values = {m["type"]: m["value"] for m in result["metrics"]}
+    assert values["conf_ece"] == pytest.approx(run_metrics["conf_ece"], abs=1e-6)
+    assert values["accuracy"] == pytest.approx(run_metrics["accuracy"], abs=1e-6)
+    # The serving note comes before anything else: whether a server gets the calibration.
+    first_section = body.split("\n## ")[1]
+    assert first_section.startswith("Serving") and "trust_remote_code=True" in first_section
+    assert "uncalibrated" in first_section
+    assert "option letters" in body and "cloze" not in body.split("## Evaluation")[0].lower()
+    for path in folder.rglob("*"):
+        if path.suffix in (".json", ".md", ".py", ".jinja", ".txt"):
+            content = path.read_text()
+            for private in (str(ROOT), str(calm_run), str(Path.home()), "/tmp/"):
+                assert private not in content, (path.name, private)
+
+
+def test_the_front_matter_lists_the_settings_hub_datasets(compose, ood_overrides):
+    from calm_lightning.exported.model_card import hub_datasets
+
+    cfg = compose(["model=smollm2", "method=calm", *ood_overrides])
+    assert set(hub_datasets(cfg)) == {
+        "tatsu-lab/alpaca",
+        "cais/mmlu",
+        "openlifescienceai/medmcqa",
+        "allenai/openbookqa",
+        "allenai/ai2_arc",
+    }
+    assert cfg.model.license == "apache-2.0"
+
+
+@pytest.mark.slow
+def test_lm_evals_own_hf_model_on_the_calm_export_matches_our_retention(
+    calm_run, exported, tmp_path
+):
+    """Must-show: `lm_eval --model hf --model_args pretrained=<export>,trust_remote_code=True`
+    scores PIQA (local files) as our retention scores the run: same accuracy (within 0.01) and
+    the same per-choice log-likelihoods, which the head changes."""
+    from calm_lightning.evaluation.lm_eval_retention import local_task_config
+    from calm_lightning.retention import evaluate_run
+
+    piqa = str(ROOT / "tests" / "fixtures" / "hub" / "piqa.jsonl")
+    arguments = {"tasks": ["piqa"], "data_files": {"piqa": [piqa]}}
+    ours = json.loads(evaluate_run(calm_run, arguments, out=tmp_path / "ours").read_text())
+    served = json.loads(
+        evaluate_run(exported["merged"], arguments, out=tmp_path / "served").read_text()
+    )
+    assert served["rows"]["export"]["piqa"]["acc"] == ours["rows"]["calm"]["piqa"]["acc"]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    config = {**local_task_config("piqa", (piqa,), ""), "task": "piqa_local"}
+    (tasks / "piqa_local.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    env = _env()
+    env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
+    command = [
+        sys.executable, "-m", "lm_eval", "--model", "hf",
+        "--model_args", f"pretrained={exported['merged']},trust_remote_code=True,dtype=float32",
+        "--tasks", "piqa_local", "--include_path", str(tasks), "--device", "cpu",
+        "--batch_size", "8", "--output_path", str(tmp_path / "lm_eval"), "--log_samples",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (results,) = (tmp_path / "lm_eval").rglob("results_*.json")
+    theirs = json.loads(results.read_text())["results"]["piqa_local"]
+    assert abs(theirs["acc,none"] - ours["rows"]["calm"]["piqa"]["acc"]) <= 0.01
+    (samples,) = (tmp_path / "lm_eval").rglob("samples_piqa_local_*.jsonl")
+    their_ll = {
+        s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]]
+        for s in map(json.loads, samples.read_text().splitlines())
+    }
+
+    def our_ll(name: str) -> dict:
+        path = tmp_path / "ours" / "retention" / name / "piqa.jsonl"
+        rows = map(json.loads, path.read_text().splitlines())
+        return {r["doc_id"]: r["loglikelihoods"] for r in rows}
+
+    calibrated, base = our_ll("calm"), our_ll("base")
+    assert their_ll.keys() == calibrated.keys()
+    doc_ids = sorted(calibrated)
+    theirs_array = np.array([their_ll[i] for i in doc_ids])
+    np.testing.assert_allclose(theirs_array, np.array([calibrated[i] for i in doc_ids]), atol=1e-3)
+    assert np.abs(theirs_array - np.array([base[i] for i in doc_ids])).max() > 1e-2

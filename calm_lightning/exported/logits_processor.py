@@ -2,9 +2,12 @@
 `LogitsProcessor`, so `model.generate(..., logits_processor=[processor])` and the
 text-generation pipeline sample from the calibrated distribution with plain transformers.
 
-Only torch, safetensors and transformers are imported here (no Lightning, no Hydra): a user
-of an exported folder needs nothing else from this project. The folder format is described in
-docs/export.md; `python -m calm_lightning.export` writes it.
+Only torch, safetensors, transformers (and huggingface_hub, for a Hub id) are imported here,
+besides the head's own module: the export copies this file into its folder as
+`calibration_processor.py`, where it runs without this project installed
+(`transformers.dynamic_module_utils.get_class_from_dynamic_module(
+"calibration_processor.CalibrationLogitsProcessor", folder_or_hub_id)`). The folder format is
+described in docs/export.md; `python -m calm_lightning.export` writes it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ from transformers import LogitsProcessor
 from calm_lightning.models.logit_adjustment import HEAD_FILE, LogitAdjustment
 
 CALIBRATION_FILE = "calibration.json"  # what the calibration is: formula, method, prompt format
+
+
+# A row of scores whose logsumexp is <= this is taken as log-probabilities (beam search hands
+# processors log_softmax(z)); raw logits of a language model have logsumexp well above 0.
+LOG_PROB_TOLERANCE = 1e-4
 
 
 def read_calibration(folder: str | Path) -> dict:
@@ -42,18 +50,32 @@ class CalibrationLogitsProcessor(LogitsProcessor):
     transformers runs the processors passed to `generate` after its own logit processors
     (repetition penalty, bad words, ...) and before the sampling warpers (temperature, top-k,
     top-p), so `temperature=t` samples from softmax(z' / t) as the project's sampler does.
+
+    Beam search hands processors log_softmax(z), not z, and adds what they return to the
+    beams' running scores. A scalar head, a head centred on logsumexp, or one centred on the
+    mean when no earlier processor masked tokens, gives the same distribution from
+    log-probabilities as from logits; the processor then returns the
+    calibrated log-probabilities, so the beams accumulate exactly the calibrated sequence
+    log-probability. A vector head without centering does not (d * (z - lse z) + l is not
+    d * z + l up to a constant): there it refuses with a message instead of searching the
+    wrong distribution.
     """
 
     def __init__(self, head: LogitAdjustment | None) -> None:
         self.head = None if head is None else head.eval().requires_grad_(False)
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path) -> CalibrationLogitsProcessor:
-        """The processor of an exported folder (its calibration head, or the identity)."""
-        folder = Path(folder)
+    def from_pretrained(
+        cls, name_or_path: str | Path, revision: str | None = None
+    ) -> CalibrationLogitsProcessor:
+        """The processor of an exported folder, a local path or a Hub id (its calibration
+        head, or the identity where the weights carry the calibration)."""
+        folder = Path(name_or_path)
+        if not folder.is_dir():
+            folder = _download(str(name_or_path), revision)
         info = read_calibration(folder)
-        if info.get("head") is None:
-            return cls(None)
+        if info.get("head") is None or info["head"].get("file", HEAD_FILE) is None:
+            return cls(None)  # no head, or one folded into the output layer's weights
         if info["head"].get("file", HEAD_FILE) != HEAD_FILE:
             raise ValueError(f"{folder}: the head file must be named {HEAD_FILE}")
         return cls(LogitAdjustment.load(folder))
@@ -66,12 +88,48 @@ class CalibrationLogitsProcessor(LogitsProcessor):
             return None
         return 1.0 / head.scale.item()
 
+    def log_prob_obstacle(self, masked: bool) -> str | None:
+        """Why the head cannot be applied exactly to log-probabilities (None: it can)."""
+        head = self.head
+        if head is None or head.kind == "scalar" or head.center == "logsumexp":
+            return None  # a constant per position; logsumexp-centred z is log_softmax(z) itself
+        if head.center == "mean" and not masked:
+            return None  # s - mean(s) = z - mean(z)
+        if head.center == "mean":
+            return "the mean of the logits is lost once earlier processors masked tokens"
+        return "d * (z - lse z) + l is not d * z + l up to a constant"
+
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         if self.head is None:
             return scores
         if self.head.scale.device != scores.device:
             self.head.to(scores.device)
+        if not bool((torch.logsumexp(scores.float(), dim=-1) <= LOG_PROB_TOLERANCE).all()):
+            return self._adjust(scores)
+        finite = torch.isfinite(scores)
+        obstacle = self.log_prob_obstacle(masked=not bool(finite.all()))
+        if obstacle is not None:
+            raise ValueError(
+                "these scores are log-probabilities (beam search passes log_softmax(z) to "
+                f"logits processors), and this head ({self.head.kind}, center="
+                f"{self.head.center}) cannot be applied to them exactly: {obstacle}. Load the "
+                "folder with AutoModelForCausalLM.from_pretrained(folder, "
+                "trust_remote_code=True), whose forward applies the head to the logits "
+                "themselves, and generate without this processor; or decode greedily / by "
+                "sampling."
+            )
+        if self.head.kind == "vector" and self.head.center == "logsumexp":
+            # log_softmax(z) is z - lse(z) already, masked entries or not: no second centering.
+            z = scores.float().masked_fill(~finite, 0.0)
+            adjusted = torch.addcmul(self.head.bias, z, self.head.scale)
+            adjusted = adjusted.masked_fill(~finite, float("-inf"))
+        else:
+            adjusted = self._adjust(scores)
+        # Normalized, so the beams add up the calibrated log-probabilities themselves.
+        return torch.log_softmax(adjusted, dim=-1)
+
+    def _adjust(self, scores: torch.Tensor) -> torch.Tensor:
         finite = torch.isfinite(scores)
         if bool(finite.all()):
             return self.head(scores)
@@ -89,3 +147,20 @@ class CalibrationLogitsProcessor(LogitsProcessor):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.head!r})"
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    """A Hub repository's calibration files (the Hub cache; offline, whatever it holds)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id, revision=revision, allow_patterns=[CALIBRATION_FILE, HEAD_FILE]
+            )
+        )
+    except Exception as err:  # offline without a cache, unknown repo, ...: many classes
+        raise FileNotFoundError(
+            f"{repo_id!r} is neither a local folder nor a Hub repository whose "
+            f"{CALIBRATION_FILE} could be fetched ({type(err).__name__}: {err})"
+        ) from err

@@ -1,6 +1,9 @@
 """The exported folder's README.md in the Hub's model-card format: YAML front matter (library,
-base model, tags), then how to use the model, what the calibration computes, the run's
-base-versus-calibrated metrics with its reliability diagrams, its data and its method block."""
+base model, license, datasets, language, tags, a model-index with the run's calibration
+metrics), then how the calibration is served (first: it decides whether a server gets the
+calibrated model at all), how to use the model, what the calibration computes and how answers
+were scored, the run's base-versus-calibrated metrics with its reliability diagrams, its data
+and its method block. No local path of the machine that ran it goes into the card."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ def write_model_card(run, folder: Path, info: dict) -> Path:
         [
             _front_matter(run, info),
             _title(run, info),
+            _serving(info),
             _usage(info),
             _calibration(info),
             _evaluation(run, diagrams),
@@ -45,18 +49,80 @@ def write_model_card(run, folder: Path, info: dict) -> Path:
     return path
 
 
+# Metrics of the model-index, in the Hub's {type, name} form (the run table's keys).
+INDEX_METRICS = {
+    "accuracy": "Accuracy",
+    "conf_ece": "Confidence ECE",
+    "cw_ece": "Classwise ECE",
+    "brier": "Brier score",
+    "nll": "Negative log-likelihood",
+}
+
+
+def hub_datasets(cfg) -> list[str]:
+    """The Hub dataset ids the run's setting reads (train, held-out and test sources)."""
+    found: list[str] = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "hub_id" and isinstance(value, str) and value not in found:
+                    found.append(value)
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(OmegaConf.to_container(cfg.setting, resolve=True))
+    return found
+
+
 def _front_matter(run, info: dict) -> str:
     meta: dict = {"library_name": "transformers"}
     if run.base_model_id:
         meta["base_model"] = run.base_model_id
+    meta["license"] = run.cfg.model.get("license") or "other"
+    datasets = hub_datasets(run.cfg)
+    if datasets:
+        meta["datasets"] = datasets
+    meta["language"] = ["en"]
     tags = ["calibration", "calm-lightning", run.method]
     if info["weights"]["adapter"]:
         tags += ["lora", "peft"] if info["weights"]["adapter"] != "merged" else ["lora-merged"]
     if info["head"] and info["head"].get("temperature") is not None:
         tags.append("temperature-scaling")
+    if info["serving"]["trust_remote_code"]:
+        tags.append("custom_code")
     meta["tags"] = tags
     meta["pipeline_tag"] = "text-generation"
+    meta["model-index"] = [_model_index(run, info)]
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
+
+
+def _model_index(run, info: dict) -> dict:
+    metrics = run.metrics.get("metrics", {})
+    test = (run.record.data_summary or {}).get("test") or {}
+    datasets = [d for d in hub_datasets(run.cfg) if d in str(run.cfg.setting.get("test"))]
+    scoring = info["prompt"].get("scoring", "letter")
+    return {
+        "name": f"{run.base_model_id or run.cfg.model.name}-{run.method}",
+        "results": [
+            {
+                "task": {"type": "multiple-choice", "name": f"Multiple-choice QA ({scoring})"},
+                "dataset": {
+                    "name": test.get("name") or str(run.cfg.setting.name),
+                    "type": datasets[0] if datasets else str(test.get("name") or "local"),
+                    "split": str(run.cfg.setting.test.get("split", "test")),
+                },
+                "metrics": [
+                    {"type": key, "name": name, "value": round(float(metrics[key]), 6)}
+                    for key, name in INDEX_METRICS.items()
+                    if metrics.get(key) is not None
+                ],
+            }
+        ],
+    }
 
 
 def _title(run, info: dict) -> str:
@@ -72,11 +138,60 @@ def _title(run, info: dict) -> str:
         f"Exported by `python -m calm_lightning.export` from a calm-lightning run "
         f"(model `{run.cfg.model.name}`, method `{run.method}`, setting "
         f"`{run.cfg.setting.name}`, seed {run.cfg.get('seed')}). {weights} "
-        f"Weights are stored in {info['weights']['dtype']}.\n"
+        f"Weights are stored in {info['weights']['dtype']}.{_qlora_note(info)}\n"
     )
 
 
+def _qlora_note(info: dict) -> str:
+    if not (info["weights"]["trained_on_4bit_base"] and info["weights"]["adapter"]):
+        return ""
+    return (
+        " The adapters were trained on the base model's 4-bit nf4 weights and are applied "
+        f"here to its original weights in {info['weights']['dtype']}, not to the dequantized "
+        "4-bit ones: this model's numbers differ slightly from the run's."
+    )
+
+
+def _serving(info: dict) -> str:
+    """The first thing a user serving this model must know."""
+    mode = info["serving"]["calibration"]
+    if mode == "weights":
+        text = (
+            "**The calibration is in the weights** (the method trains adapters only): any "
+            "server that loads this checkpoint serves the calibrated model."
+        )
+    elif mode == "folded":
+        text = (
+            "**The calibration head is folded into the output layer** (exact for this head): "
+            "this is an ordinary checkpoint of the base architecture, and any server that loads "
+            "it (transformers, vLLM, TGI, lm-eval, llama.cpp after conversion) serves the "
+            "calibrated distribution, prompt log-probabilities included. Do not apply a "
+            "calibration on top."
+        )
+    else:
+        serving = info["serving"]
+        text = (
+            "**Load with `trust_remote_code=True`.** The calibration head cannot be folded into "
+            f"the weights ({serving['why_not_folded']}); `{serving['modeling_file']}` "
+            "applies it in `forward`, so `generate` (greedy, sampling, beam search), pipelines "
+            "and lm-eval's `hf` model see calibrated logits. **Loaded without it** (plain "
+            "transformers, vLLM, TGI, llama.cpp) **this is the uncalibrated fine-tuned model**; "
+            f"then apply `{serving['processor_file']}` in `generate` (never both)."
+        )
+    return "## Serving\n\n" + text + "\n"
+
+
 def _usage(info: dict) -> str:
+    if info["serving"]["calibration"] in ("weights", "folded"):
+        return (
+            "## Use it\n\n"
+            "```python\n"
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            'folder = "path/to/this/folder"  # or its Hub id\n'
+            "model = AutoModelForCausalLM.from_pretrained(folder)\n"
+            "tokenizer = AutoTokenizer.from_pretrained(folder)\n"
+            "```\n"
+        )
     adapter = ""
     if info["weights"]["adapter"] == "adapter":
         adapter = (
@@ -86,12 +201,19 @@ def _usage(info: dict) -> str:
         )
     return (
         "## Use it\n\n"
-        "With plain transformers: the calibration is a logits processor, applied to the "
-        "next-token scores before sampling.\n\n"
+        "```python\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+        'folder = "path/to/this/folder"  # or its Hub id\n'
+        "model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)\n"
+        "```\n\n"
+        "Or without custom code: the calibration as a logits processor (torch and transformers "
+        "only), applied to the next-token scores before sampling.\n\n"
         "```python\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        "from calm_lightning import CalibrationLogitsProcessor\n\n"
-        'folder = "path/to/this/folder"\n'
+        "from transformers.dynamic_module_utils import get_class_from_dynamic_module\n\n"
+        "CalibrationLogitsProcessor = get_class_from_dynamic_module(\n"
+        '    "calibration_processor.CalibrationLogitsProcessor", folder\n'
+        ")\n"
         "model = AutoModelForCausalLM.from_pretrained(folder)\n"
         f"{adapter}"
         "tokenizer = AutoTokenizer.from_pretrained(folder)\n"
@@ -103,7 +225,7 @@ def _usage(info: dict) -> str:
         "out = model.generate(**inputs, logits_processor=[processor], do_sample=True, "
         "max_new_tokens=32)\n"
         "```\n\n"
-        "Multiple-choice confidence as the run measured it:\n\n"
+        "Multiple-choice confidence as the run measured it (needs `calm_lightning`):\n\n"
         "```python\n"
         "from calm_lightning import load_calibrated\n\n"
         "calibrated = load_calibrated(folder)\n"
@@ -125,14 +247,29 @@ def _calibration(info: dict) -> str:
             lines.append(f"Post-hoc temperature T = {head['temperature']:.4f} (d = 1 / T).")
     else:
         lines.append("This method has no head: its calibration is in the weights.")
-    tokens = info["option_tokens"]
-    if tokens:
-        lines.append(
-            f"Multiple-choice answers are scored on the option letters {tokens['letters']} "
-            f"spelled `{tokens['style']}` (token ids {tokens['ids']}) at the answer slot of "
-            "the chat-templated prompt described in `calibration.json` (`prompt`)."
-        )
+    lines.append(_scoring(info))
     return "\n".join(lines) + "\n"
+
+
+def _scoring(info: dict) -> str:
+    """How the run scored its multiple-choice answers (calibration.json's `prompt`)."""
+    prompt = info["prompt"]
+    if prompt.get("scoring") == "cloze":
+        template = "the chat template" if prompt.get("template") == "chat" else "a plain prompt"
+        return (
+            "Multiple-choice answers were scored by **cloze** (option likelihood, as lm-eval "
+            f"does): each option text's log-likelihood after the question in {template} "
+            f"({prompt.get('context')}), normalisation `{prompt.get('normalize')}`, then a "
+            "softmax over the options; details in `calibration.json` (`prompt`)."
+        )
+    tokens = info["option_tokens"] or {}
+    template = "chat-templated" if prompt.get("template") == "chat" else "plain"
+    return (
+        "Multiple-choice answers were scored on the **option letters** "
+        f"{tokens.get('letters', '')} spelled `{tokens.get('style')}` (token ids "
+        f"{tokens.get('ids')}) at the answer slot of the {template} prompt described in "
+        "`calibration.json` (`prompt`)."
+    )
 
 
 def _cell(key: str, value) -> str:
@@ -177,15 +314,30 @@ def _data(run) -> str:
             )
     lines += [
         "",
-        f"<details><summary>the run's {DATA_SUMMARY_FILE} (files, truncations)</summary>",
+        f"<details><summary>the run's {DATA_SUMMARY_FILE} (file names, truncations)</summary>",
         "",
         "```json",
-        json.dumps(summary, indent=2),
+        json.dumps(_without_paths(summary), indent=2),
         "```",
         "",
         "</details>",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _without_paths(node):
+    """The data summary with each file reduced to its name: no local directory leaves."""
+    if isinstance(node, dict):
+        return {k: (_names(v) if k == "files" else _without_paths(v)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_without_paths(v) for v in node]
+    return node
+
+
+def _names(files):
+    if isinstance(files, (list, tuple)):
+        return [Path(str(f)).name for f in files]
+    return Path(str(files)).name if files else files
 
 
 def _hyper_parameters(run) -> str:
@@ -206,8 +358,14 @@ def _files(info: dict, diagrams: dict) -> str:
         ("tokenizer files, chat_template.jinja", "the tokenizer and its chat template"),
         ("calibration.json", "what the calibration computes, method, option tokens, prompt"),
     ]
-    if info["head"]:
+    if info["head"] and info["head"]["file"]:
         files.append((info["head"]["file"], "the head's d (`scale`) and l (`bias`)"))
+    if info["serving"]["trust_remote_code"]:
+        files += [
+            (info["serving"]["modeling_file"], "custom code: the base class + the head"),
+            (info["serving"]["processor_file"], "the head as a `generate` logits processor"),
+            ("logit_adjustment.py", "the head's module (torch + safetensors)"),
+        ]
     if info["weights"]["adapter"] == "adapter":
         files.append(("adapter/", "the PEFT LoRA adapter (merge=false)"))
     files += [(name, "reliability diagram") for name in diagrams.values()]

@@ -1,10 +1,15 @@
-"""`python -m calm_lightning.export run_dir=<run dir> out=<dir> [merge=true] [overwrite=false]
-[dtype=auto]`: a finished run's calibrated model as a standard Hugging Face model folder.
+"""`python -m calm_lightning.export run_dir=<run dir> out=<dir> [merge=true] [fold=auto]
+[overwrite=false] [dtype=auto]`: a finished run's calibrated model as a standard Hugging Face
+model folder.
 
-`AutoModelForCausalLM.from_pretrained(out)` loads it with no project code; the calibration
-(head or temperature) sits beside the weights with a calibration.json saying what it computes,
-and `calm_lightning.CalibrationLogitsProcessor.from_pretrained(out)` applies it in `generate`.
-docs/export.md describes the folder.
+The calibration travels with the weights. Where it is exact (a scalar head, as post-hoc
+temperature scaling, DACA and Dual-Align learn; a vector head without a per-token bias), the
+head is folded into the output layer (`fold=auto`, the default): the folder is an ordinary
+checkpoint that every server reproduces. Other heads (the paper's CALM) travel as transformers
+custom code: `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)` applies the
+head in `forward`; without `trust_remote_code` the folder loads as the uncalibrated model, and
+`CalibrationLogitsProcessor` (also in the folder) applies the head in `generate`. A
+calibration.json says what was done; docs/export.md describes the folder.
 
 The arguments are a handful of scalars, parsed here as key=value (the same look as a run's
 command line) rather than through Hydra: there is nothing to compose, and a Hydra app would
@@ -39,9 +44,18 @@ log = logging.getLogger(__name__)
 
 USAGE = (
     "usage: python -m calm_lightning.export run_dir=<run dir> out=<folder> "
-    "[merge=true|false] [overwrite=false|true] [dtype=auto|float32|bfloat16|float16]"
+    "[merge=true|false] [fold=auto|true|false] [overwrite=false|true] "
+    "[dtype=auto|float32|bfloat16|float16]"
 )
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+FOLD_NAMES = ("auto", "true", "false")
+# Files the export copies into the folder so it runs without this project: the head's module,
+# the custom modeling code and the logits processor (their project imports made relative).
+HEAD_MODULE = "logit_adjustment.py"
+MODELING_MODULE = "modeling_calibrated.py"
+PROCESSOR_MODULE = "calibration_processor.py"
+CUSTOM_CLASS = "CalibratedForCausalLM"
+PROBE_LENGTH = 16  # token ids of the numerical check of a fold
 FORMAT = "calm-lightning/calibration"
 FORMAT_VERSION = 1
 FORMULA = "z' = d * (z - c) + l"
@@ -59,6 +73,7 @@ class ExportOptions:
     run_dir: Path
     out: Path
     merge: bool = True  # merge LoRA adapters into the weights; false: base + PEFT adapter folder
+    fold: str = "auto"  # fold the head into the output layer: auto = where exact; false = never
     overwrite: bool = False  # replace an existing `out`
     dtype: str = "auto"  # weights' dtype; auto = the run's (a 16-bit copy after 4-bit QLoRA)
 
@@ -84,6 +99,10 @@ def parse_arguments(argv: list[str]) -> ExportOptions:
             options[key] = _boolean(key, values[key])
     if "dtype" in values:
         options["dtype"] = values["dtype"]
+    if "fold" in values:
+        if values["fold"].lower() not in FOLD_NAMES:
+            raise ExportError(f"fold={values['fold']!r} is not one of {', '.join(FOLD_NAMES)}")
+        options["fold"] = values["fold"].lower()
     return ExportOptions(**options)
 
 
@@ -231,6 +250,7 @@ def export_run(
     merge: bool = True,
     overwrite: bool = False,
     dtype: str = "auto",
+    fold: str = "auto",
 ) -> Path:
     """Write the run's calibrated model to `out` (see the module docstring); returns `out`.
 
@@ -245,10 +265,12 @@ def export_run(
     if out.resolve() == run.run_dir.resolve() or out.resolve() in run.run_dir.resolve().parents:
         raise ExportError(f"out={out} would replace the run itself ({run.run_dir})")
     dtype = target_dtype(run, dtype)
+    if fold not in FOLD_NAMES:
+        raise ExportError(f"fold={fold!r} is not one of {', '.join(FOLD_NAMES)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        write_folder(run, staging, merge=merge, dtype=dtype)
+        write_folder(run, staging, merge=merge, dtype=dtype, fold=fold)
         _usual_permissions(staging)
         _publish(staging, out)
     finally:
@@ -279,8 +301,11 @@ def _publish(staging: Path, out: Path) -> None:
         staging.rename(out)
 
 
-def write_folder(run: RunToExport, folder: Path, merge: bool, dtype: str) -> None:
-    """Weights (merged, or base + adapter/), tokenizer, calibration, model card."""
+def write_folder(
+    run: RunToExport, folder: Path, merge: bool, dtype: str, fold: str = "auto"
+) -> None:
+    """Weights (merged, or base + adapter/; the head folded in or as custom code), tokenizer,
+    calibration, model card."""
     loaded = load_base_model(run, dtype)
     model, tokenizer = loaded.model, loaded.tokenizer
     head = _check_head(run, model)
@@ -295,17 +320,111 @@ def write_folder(run: RunToExport, folder: Path, merge: bool, dtype: str) -> Non
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    serving = None
+    if head is not None:
+        serving = _place_head(model, head, fold, adapted_output=_adapts_output(adapter, merge))
     _save_model(model, folder)
     if adapter is not None and not merge:
         _copy_adapter(adapter, folder / ADAPTER_DIR, run.base_model_id)
     tokenizer.save_pretrained(folder)
-    if head is not None:
+    if serving is not None and serving["calibration"] == "custom_code":
         shutil.copyfile(run.calibration_dir / HEAD_FILE, folder / HEAD_FILE)
-    info = calibration_info(run, tokenizer, head, merged=adapter is not None and merge, dtype=dtype)
+        _write_portable_code(folder, type(model))
+    info = calibration_info(
+        run, tokenizer, head, merged=adapter is not None and merge, dtype=dtype, serving=serving
+    )
     (folder / CALIBRATION_FILE).write_text(json.dumps(info, indent=2) + "\n")
     from calm_lightning.exported.model_card import write_model_card
 
     write_model_card(run, folder, info)
+
+
+def _adapts_output(adapter: Path | None, merge: bool) -> bool:
+    """Whether an adapter kept beside the weights (merge=false) changes the output layer."""
+    if adapter is None or merge:
+        return False
+    targets = json.loads((adapter / "adapter_config.json").read_text()).get("target_modules")
+    names = targets if isinstance(targets, list) else [str(targets)]
+    return any("lm_head" in str(name) or "embed_out" in str(name) for name in names)
+
+
+def _place_head(model, head, fold: str, adapted_output: bool) -> dict:
+    """Fold the head into the output layer (where exact and allowed) or attach it for the
+    custom code; returns calibration.json's `serving` block."""
+    import torch
+
+    from calm_lightning.exported.folding import fold_head, fold_obstacle
+    from calm_lightning.exported.hub_modeling import CONFIG_KEY, HEAD_ATTRIBUTE
+
+    obstacle = fold_obstacle(head, model, adapted_output)
+    if fold == "true" and obstacle is not None:
+        raise ExportError(
+            f"fold=true: this head cannot be folded into the output layer exactly ({obstacle}); "
+            "use fold=auto, which ships it as custom code instead"
+        )
+    if fold != "false" and obstacle is None:
+        generator = torch.Generator().manual_seed(0)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        probe = torch.randint(vocab, (2, PROBE_LENGTH), generator=generator)
+        try:
+            error = fold_head(model, head.to(model.device), probe.to(model.device))
+        except ValueError as err:
+            raise ExportError(f"{err}; export with fold=false to keep the head separate") from err
+        log.info("folded the %s head into the output layer (max probability change %.1e)",
+                 head.kind, error)  # fmt: skip
+        return {"calibration": "folded", "max_probability_error": error}
+    if not _transformers_class(type(model)):
+        raise ExportError(
+            f"the head must travel as custom code (it cannot be folded: {obstacle}), but the "
+            f"model class {type(model).__name__} is not importable from transformers"
+        )
+    setattr(model, HEAD_ATTRIBUTE, head.to(model.device).requires_grad_(False))
+    setattr(model.config, CONFIG_KEY, {
+        "vocab_size": head.vocab_size, "kind": head.kind, "center": head.center,
+    })  # fmt: skip
+    model.config.auto_map = {"AutoModelForCausalLM": f"{MODELING_MODULE[:-3]}.{CUSTOM_CLASS}"}
+    return {"calibration": "custom_code", "why_not_folded": obstacle or "fold=false"}
+
+
+def _transformers_class(cls: type) -> bool:
+    import transformers
+
+    return getattr(transformers, cls.__name__, None) is cls
+
+
+def portable_source(module) -> str:
+    """`module`'s source with its import of the head's module made relative (a sibling file
+    in the export folder); refuses any other import of this project."""
+    import inspect
+
+    from calm_lightning.models import logit_adjustment
+
+    source = inspect.getsource(module)
+    if module is not logit_adjustment:
+        source = source.replace(
+            f"from {logit_adjustment.__name__} import", f"from .{HEAD_MODULE[:-3]} import"
+        )
+    leftover = [
+        line for line in source.splitlines()
+        if line.lstrip().startswith(("import calm_lightning", "from calm_lightning"))
+    ]  # fmt: skip
+    if leftover:
+        raise ExportError(f"{module.__name__} is not self-contained: {leftover}")
+    return source
+
+
+def _write_portable_code(folder: Path, model_class: type) -> None:
+    """The head's module, the custom modeling code on `model_class` and the processor."""
+    from calm_lightning.exported import hub_modeling, logits_processor
+    from calm_lightning.models import logit_adjustment
+
+    (folder / HEAD_MODULE).write_text(portable_source(logit_adjustment))
+    (folder / PROCESSOR_MODULE).write_text(portable_source(logits_processor))
+    modeling = portable_source(hub_modeling) + (
+        f"\n\nfrom transformers import {model_class.__name__}  # noqa: E402 (the base class)\n\n"
+        f"{CUSTOM_CLASS} = calibrated_class({model_class.__name__})\n"
+    )
+    (folder / MODELING_MODULE).write_text(modeling)
 
 
 def load_base_model(run: RunToExport, dtype: str):
@@ -363,8 +482,11 @@ def _copy_adapter(source: Path, target: Path, base_model_id: str | None) -> None
     config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def calibration_info(run: RunToExport, tokenizer, head, merged: bool, dtype: str) -> dict:
-    """calibration.json: what the head computes, for which method, tokens and prompt."""
+def calibration_info(
+    run: RunToExport, tokenizer, head, merged: bool, dtype: str, serving: dict | None = None
+) -> dict:
+    """calibration.json: what the head computes, how it is served, for which method, tokens
+    and prompt."""
     head_info = None
     if head is not None:
         head_info = {
@@ -376,6 +498,9 @@ def calibration_info(run: RunToExport, tokenizer, head, merged: bool, dtype: str
         }
         if run.method_class.head == "temperature":
             head_info["temperature"] = 1.0 / float(head.scale.item())
+    folded = serving is not None and serving["calibration"] == "folded"
+    if folded:
+        head_info["file"] = None  # in the output layer's weights now
     formula = {
         "formula": FORMULA if head is not None else "z' = z (no head: the weights carry it)",
         "terms": {
@@ -395,6 +520,7 @@ def calibration_info(run: RunToExport, tokenizer, head, merged: bool, dtype: str
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        "serving": _serving_info(serving, head),
         "calm_lightning_version": __version__,
         "method": {
             "name": run.method,
@@ -417,8 +543,31 @@ def calibration_info(run: RunToExport, tokenizer, head, merged: bool, dtype: str
             "model": run.cfg.model.name,
             "setting": run.cfg.setting.name,
             "seed": run.cfg.get("seed"),
-            "run_dir": str(run.run_dir.resolve()),
+            "run_name": run.run_dir.resolve().name,  # no local path leaves the machine
         },
+    }
+
+
+def _serving_info(serving: dict | None, head) -> dict:
+    """How a server gets the calibrated distribution from this folder."""
+    if head is None:
+        return {"calibration": "weights", "trust_remote_code": False,
+                "note": "no head: the calibration is in the weights"}  # fmt: skip
+    if serving["calibration"] == "folded":
+        return {
+            **serving,
+            "trust_remote_code": False,
+            "note": "the head is folded into the output layer: any server loading this "
+            "checkpoint serves the calibrated distribution; do not apply the head again",
+        }
+    return {
+        **serving,
+        "trust_remote_code": True,
+        "modeling_file": MODELING_MODULE,
+        "processor_file": PROCESSOR_MODULE,
+        "note": "load with trust_remote_code=True (forward applies the head), or load plainly "
+        "and apply calibration_processor.CalibrationLogitsProcessor in generate; never both. "
+        "Loaded plainly without the processor, this is the uncalibrated model.",
     }
 
 
