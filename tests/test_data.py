@@ -98,6 +98,21 @@ def test_mcqa_collator_left_pads(tokenizer):
     assert batch["labels"].tolist() == [0, 3] and batch["ids"] == ["a", "b"]
 
 
+def test_mcqa_collator_counts_cut_questions_once_over_several_passes(tokenizer):
+    """The data summary's `test_prompts_truncated` counts questions, not scoring passes: a
+    run that scores the base row and one that reads it from the cache report the same."""
+    records = [
+        MCQARecord("short", "Short?", ("1", "2", "3", "4"), 0),
+        MCQARecord("long", "word " * 200 + "?", ("1", "2", "3", "4"), 1),
+    ]
+    short = MCQACollator(tokenizer)(records[:1])["input_ids"].shape[1]
+    collate = MCQACollator(tokenizer, max_length=short + 5)
+    for _ in range(2):  # base pass, method pass
+        batch = collate(records)
+        assert batch["input_ids"].shape[1] == short + 5  # the long one was cut
+    assert collate.truncated == 1
+
+
 def test_instruction_labels_cover_exactly_the_response(tokenizer):
     records = [
         InstructionRecord("Name the capital of France.", "", "The capital is Paris."),

@@ -34,7 +34,13 @@ class MCQACollator:
 
     tokenizer: object
     max_length: int = 1024
-    truncated: int = 0
+    # Questions whose prompt was cut, by id: a count of questions, however many passes (base
+    # row, method row) scored them, so a run that reads its base row reports the same number.
+    truncated_ids: set = field(default_factory=set)
+
+    @property
+    def truncated(self) -> int:
+        return len(self.truncated_ids)
 
     def __call__(self, records: list[MCQARecord]) -> dict:
         rows = []
@@ -42,7 +48,7 @@ class MCQACollator:
             ids = _encode(self.tokenizer, render_prompt(self.tokenizer, mcqa_user_text(record)))
             if len(ids) > self.max_length:
                 # Cut from the left: the options and the answer slot are at the end.
-                self.truncated += 1
+                self.truncated_ids.add(record.id)
                 ids = ids[-self.max_length :]
             rows.append(ids)
         input_ids, attention_mask = pad_left(rows, self.tokenizer.pad_token_id)
