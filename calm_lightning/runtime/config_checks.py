@@ -150,6 +150,10 @@ def check_config(cfg, method_cls, sources: dict) -> None:
     check_values("method.head", plain(cfg.method.get("head")), head_rules())
     method_cls.check_requirements(cfg, sources)
     check_strategy(cfg)
+    if cfg.model.get("source") == "tiny":
+        from calm_lightning.models.loading import check_random_model
+
+        check_random_model(plain(cfg.model))
 
 
 def check_strategy(cfg) -> None:
