@@ -62,7 +62,7 @@ def model_config(args) -> dict:
         cfg["tokenizer"] = args.tokenizer
     if args.model == "random":
         cfg.update(
-            name=f"random_{args.shape}",
+            name="random",
             shape=args.shape,
             dtype=args.dtype,
             quantization=args.quantization,

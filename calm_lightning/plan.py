@@ -155,7 +155,7 @@ def describe(overrides: list[str]) -> Job:
     job = Job(
         overrides=overrides,
         method=str(cfg.method.name),
-        model=str(select(cfg, "model.name")),
+        model=_model_label(select(cfg, "model.name"), select(cfg, "model.shape", default=None)),
         train_rows=split_rows(setting.train) if "train" in setting else None,
         heldout_rows=split_rows(setting.heldout) if "heldout" in setting else None,
         eval_rows=split_rows(setting.test) if "test" in setting else None,
@@ -182,6 +182,10 @@ def describe(overrides: list[str]) -> Job:
     if job.method == "iterate":
         job.lower_steps = int(module.get("lower_steps", 1))
     return job
+
+
+def _model_label(name, shape) -> str:
+    return f"{name} (shape {shape})" if shape else str(name)
 
 
 def _step(costs: dict, name: str) -> dict | None:
@@ -289,13 +293,15 @@ def print_plan(jobs: list[Job], costs: dict | None) -> None:
         model = costs.get("model", {})
         print(
             f"costs: {costs.get('benchmark')} on {costs.get('device')}, model "
-            f"{model.get('name')} ({costs.get('shape_parameters') or '?'} parameters), "
+            f"{_model_label(model.get('name'), model.get('shape'))} "
+            f"({costs.get('shape_parameters') or '?'} parameters), "
             f"batch {costs['batch']} x {costs['seq']} tokens, {costs.get('date')}"
         )
-        measured_for = {j.model for j in jobs} - {model.get("name")}
+        measured_on = _model_label(model.get("name"), model.get("shape"))
+        measured_for = {j.model for j in jobs} - {measured_on}
         if measured_for:
             print(
-                f"note: the costs were measured on {model.get('name')}, the jobs run "
+                f"note: the costs were measured on {measured_on}, the jobs run "
                 f"{', '.join(sorted(measured_for))}: measure at the jobs' shape "
                 "(model=random model.shape=...) for their numbers"
             )
