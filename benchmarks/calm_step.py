@@ -362,7 +362,7 @@ def new_record(args, on_gpu: bool) -> dict:
         "benchmark": "benchmarks/calm_step.py",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(0) if on_gpu else f"cpu ({platform.processor()})",
+        "device": torch.cuda.get_device_name(0) if on_gpu else f"cpu ({platform.machine()})",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "model": cfg,
