@@ -17,12 +17,12 @@ from calm_lightning.models.shapes import SHAPES, parameter_count
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, timeout: int = 300) -> str:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         # The scripts import the package of this checkout, whatever else is installed.
         env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT)),
     )
@@ -69,6 +69,7 @@ def test_calm_step_benchmark_runs_on_a_random_shape_with_both_schedules(tmp_path
         *("--repeats", "1", "--seq", "32", "--batch", "2", "--inner-steps", "2"),
         *("--epoch-inner-steps", "2", "--epoch-batches", "20"),
         *("--json", str(tmp_path / "costs.json")),
+        timeout=1800,  # nine worker processes, each loading the model
     )
     assert "amortized ratio" in out and "per_step ratio" in out
     costs = json.loads((tmp_path / "costs.json").read_text())
