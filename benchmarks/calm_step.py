@@ -23,6 +23,11 @@ RSS 1.35x plain while the live peak was ~1.1x). The default-allocator peaks are 
     python benchmarks/calm_step.py                      # embedded SmolLM2, T = 5, batch 4 x 256
     python benchmarks/calm_step.py --model tiny --inner-steps 3 --steps 2   # seconds, a smoke run
     python benchmarks/calm_step.py --batch 2 --seq 128 --steps 1 --repeats 1  # ~25 min on 2 cores
+    python benchmarks/calm_step.py --model random --shape olmo2_7b --json costs.json  # a GPU
+
+`--model random --shape NAME` measures a released architecture's shape with random weights
+(conf/model/random.yaml; bf16 on GPU, `--quantization nf4` for QLoRA); `--json PATH` writes
+every measured step time and peak, for `python -m calm_lightning.plan --costs PATH`.
 """
 
 from __future__ import annotations
@@ -44,10 +49,28 @@ MODELS = {
         "quantization": "none",
     },
     "tiny": {"name": "tiny", "source": "tiny", "tiny": {"embedding_scale": 30.0}},
+    # conf/model/random.yaml's node; --shape, --tokenizer, --dtype, --quantization fill it in.
+    "random": {"source": "tiny", "tiny": {"seed": 0, "embedding_scale": 1.0}},
 }
 
 
-WORKERS = ["plain", "calm", "reg", "per_step", "amortized"]
+def model_config(args) -> dict:
+    """The model node the workers load: MODELS[--model], with --tokenizer for the random-weight
+    models and --shape, --dtype, --quantization for model=random."""
+    cfg = dict(MODELS[args.model])
+    if cfg["source"] == "tiny":
+        cfg["tokenizer"] = args.tokenizer
+    if args.model == "random":
+        cfg.update(
+            name="random",
+            shape=args.shape,
+            dtype=args.dtype,
+            quantization=args.quantization,
+        )
+    return cfg
+
+
+WORKERS = ["plain", "calm", "reg", "per_step", "amortized", "forward"]
 
 
 def _calm_defaults():
@@ -92,11 +115,12 @@ def worker(args) -> dict:
     from calm_lightning.models.lora import wrap_with_lora
 
     torch.manual_seed(0)
-    loaded = load_language_model(MODELS[args.model])
+    loaded = load_language_model(model_config(args))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    lm = wrap_with_lora(loaded.model, {"r": 64, "lora_alpha": 32, "lora_dropout": args.dropout}).to(
-        device
-    )
+    lora = {"r": 64, "lora_alpha": 32, "lora_dropout": args.dropout}
+    lm = wrap_with_lora(loaded.model, lora, quantized=loaded.quantized)
+    if not loaded.quantized:  # 4-bit weights are placed on their GPU when loaded
+        lm = lm.to(device)
     lm.train()
     head = LogitAdjustment(lm.get_output_embeddings().weight.shape[0]).to(device)
     epoch_mode = args.worker in ("per_step", "amortized")
@@ -134,7 +158,18 @@ def worker(args) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    if args.worker in ("plain", "reg"):
+    if args.worker == "forward":
+        # An evaluation pass: no-grad forward of the batch, last position's logits only.
+        with torch.no_grad():
+            for i in range(args.steps + 1):
+                times.append(
+                    timed(
+                        lambda i=i: module.model.raw_logits(
+                            batches[i]["input_ids"], batches[i]["attention_mask"]
+                        )
+                    )
+                )
+    elif args.worker in ("plain", "reg"):
         optimizer = torch.optim.AdamW(theta, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.02)
         reg = Regularization(CalibratedLM(lm, None), loaded.tokenizer, alpha_reg=1e-5)
 
@@ -172,6 +207,10 @@ def worker(args) -> dict:
         "step_s": statistics.median(times[1:]),  # the first step pays one-off allocation
         "peak_rss_mb": _peak_rss_mb(),
         "loaded_rss_mb": baseline,
+        "parameters": sum(p.numel() for p in lm.parameters()),
+        "trainable": sum(p.numel() for p in lm.parameters() if p.requires_grad),
+        "quantized": loaded.quantized,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
         **extra,
     }
     if device.type == "cuda":
@@ -183,6 +222,14 @@ def worker(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument("--shape", default="small", help="--model random: an architecture shape")
+    parser.add_argument(
+        "--tokenizer", choices=["embedded", "bytes"], default="embedded",
+        help="tiny / random: the SmolLM2 tokenizer or the built-in byte-level one",
+    )  # fmt: skip
+    parser.add_argument("--dtype", default="auto", help="--model random: model.dtype")
+    parser.add_argument("--quantization", default="none", help="--model random: none | nf4")
+    parser.add_argument("--json", metavar="PATH", help="also write the measured costs here")
     parser.add_argument("--inner-steps", type=int, default=5, help="T")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per worker")
     parser.add_argument("--repeats", type=int, default=2, help="plain/CALM worker pairs")
@@ -229,14 +276,17 @@ def main() -> None:
             sys.exit(f"{mode} worker failed:\n{done.stderr[-3000:]}")
         return json.loads(lines[-1][len("RESULT ") :])
 
-    if args.epoch_only:
-        import torch
+    import torch
 
+    record = new_record(args, torch.cuda.is_available())
+    if args.epoch_only:
         on_gpu = torch.cuda.is_available()
         mem_key = "cuda_peak_mb" if on_gpu else "peak_rss_mb"
         env = {} if on_gpu else {"MALLOC_MMAP_THRESHOLD_": "65536"}
         plain = run_worker("plain", env, steps=1)
-        epoch_comparison(args, run_worker, on_gpu, plain[mem_key], mem_key)
+        add_step(record, "plain", plain, plain, mem_key)
+        epoch_comparison(args, run_worker, on_gpu, plain[mem_key], mem_key, record)
+        finish(args, run_worker, record, mem_key)
         return
     timing: dict[str, list[dict]] = {"plain": [], "calm": []}
     for repeat in range(args.repeats):
@@ -289,11 +339,72 @@ def main() -> None:
             f"  default glibc allocator (freed heap kept): plain {default_plain:.0f} MiB, "
             f"CALM {default_calm:.0f} MiB (ratio {default_calm / default_plain:.3f})"
         )
+    add_step(record, "plain", {"step_s": plain_s}, memory["plain"], mem_key)
+    add_step(record, "calm", {"step_s": calm_s}, memory["calm"], mem_key, schedule="per_step",
+             inner_steps=T)  # fmt: skip
+    record["ratios"].update(time=time_ratio, memory=calm_mem / plain_mem)
     if not args.no_epoch:
-        epoch_comparison(args, run_worker, on_gpu, memory["plain"][mem_key], mem_key)
+        epoch_comparison(args, run_worker, on_gpu, memory["plain"][mem_key], mem_key, record)
+    finish(args, run_worker, record, mem_key)
 
 
-def epoch_comparison(args, run_worker, on_gpu: bool, plain_mem: float, mem_key: str) -> None:
+def new_record(args, on_gpu: bool) -> dict:
+    """What the json of --json says about the machine and the measured configuration."""
+    import platform
+
+    import torch
+
+    from calm_lightning.models.shapes import SHAPES, parameter_count
+
+    cfg = model_config(args)
+    shape = SHAPES.get(cfg.get("shape"))
+    return {
+        "benchmark": "benchmarks/calm_step.py",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name(0) if on_gpu else f"cpu ({platform.machine()})",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "model": cfg,
+        "shape_parameters": parameter_count(shape) if shape else None,
+        "batch": args.batch,
+        "seq": args.seq,
+        "lora": {"r": 64, "lora_alpha": 32, "lora_dropout": args.dropout},
+        "memory": "CUDA allocator peak" if on_gpu else "peak RSS (returning allocator)",
+        "steps": {},
+        "ratios": {},
+    }
+
+
+def add_step(record: dict, name: str, timed: dict, measured: dict, mem_key: str, **what) -> None:
+    """One measured step: its median time, its peak memory and the loaded model's memory."""
+    base_key = "cuda_loaded_mb" if mem_key == "cuda_peak_mb" else "loaded_rss_mb"
+    record["steps"][name] = {
+        "step_s": timed["step_s"],
+        "peak_mb": measured[mem_key],
+        "loaded_mb": measured[base_key],
+        **{k: measured[k] for k in ("first_s", "parameters", "trainable", "dtype", "quantized")
+           if k in measured},
+        **{k: timed[k] for k in ("first_s", "resyncs") if k in timed},
+        **what,
+    }  # fmt: skip
+
+
+def finish(args, run_worker, record: dict, mem_key: str) -> None:
+    """With --json: time an evaluation forward too, then write the record."""
+    if not args.json:
+        return
+    forward = run_worker("forward")
+    add_step(record, "forward", forward, forward, mem_key)
+    print(f"eval forward              {forward['step_s']:8.2f} s (no grad, the same batch shape)")
+    with open(args.json, "w") as handle:
+        json.dump(record, handle, indent=2)
+    print(f"wrote {args.json}")
+
+
+def epoch_comparison(
+    args, run_worker, on_gpu: bool, plain_mem: float, mem_key: str, record: dict
+) -> None:
     """CALM epoch / Regularization epoch on the same batches, both schedules."""
     T = args.epoch_inner_steps
     runs = {}
@@ -327,6 +438,14 @@ def epoch_comparison(args, run_worker, on_gpu: bool, plain_mem: float, mem_key: 
             f"amortized ratio {amortized:5.2f}   (target amortized <= 3.4, goal 2.5)"
         )
     print(f"epoch ratio vs reg, N -> inf:          amortized ratio {between_s / reg_s:5.2f}")
+    add_step(record, "reg", runs["reg"], {**runs["reg"], mem_key: peaks["reg"]}, mem_key)
+    add_step(record, "per_step", runs["per_step"], {**runs["per_step"], mem_key: peaks["per_step"]},
+             mem_key, schedule="per_step", inner_steps=T)  # fmt: skip
+    add_step(record, "amortized", runs["amortized"],
+             {**runs["amortized"], mem_key: peaks["amortized"]}, mem_key, schedule="amortized",
+             surrogate_steps=m)  # fmt: skip
+    record["ratios"]["amortized_epoch_vs_reg"] = between_s / reg_s
+    record["ratios"]["per_step_epoch_vs_reg"] = per_step_s / reg_s
     for mode in ("reg", "per_step", "amortized"):
         print(
             f"peak memory {mode:9s} {peaks[mode]:.0f} MiB = {peaks[mode] / plain_mem:.3f} x plain "

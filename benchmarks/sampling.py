@@ -43,6 +43,7 @@ def _generate(lm, tokenizer, prompt: str, calls: int, per_call: int, max_new_tok
     import torch
 
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    ids = ids.to(lm.device)
     for _ in range(calls):
         with torch.no_grad():
             lm.generate(
@@ -65,6 +66,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4, help="questions per cached-sampler batch")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument(
+        "--tokenizer", choices=["embedded", "bytes"], default="embedded",
+        help="--model tiny: the SmolLM2 tokenizer or the built-in byte-level one",
+    )  # fmt: skip
     args = parser.parse_args()
 
     import torch
@@ -76,8 +81,12 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_language_model(MODELS[args.model])
-    lm, tokenizer = loaded.model.eval(), loaded.tokenizer
+    cfg = dict(MODELS[args.model])
+    if cfg["source"] == "tiny":
+        cfg["tokenizer"] = args.tokenizer
+    loaded = load_language_model(cfg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lm, tokenizer = loaded.model.to(device).eval(), loaded.tokenizer
     model = CalibratedLM(lm).eval()
     questions = (QUESTIONS * (1 + args.questions // len(QUESTIONS)))[: args.questions]
     prompts = [render_prompt(tokenizer, f"Answer briefly. {q}") for q in questions]
@@ -90,6 +99,8 @@ def main() -> None:
     def timed(fn) -> float:
         start = time.perf_counter()
         fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     def cached(stop_on_newline: bool):

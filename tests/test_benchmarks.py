@@ -2,35 +2,81 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from calm_lightning.models.loading import load_language_model
+from calm_lightning.models.shapes import SHAPES, parameter_count
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, timeout: int = 300) -> str:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
-        timeout=300,
-        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        timeout=timeout,
+        # The scripts import the package of this checkout, whatever else is installed.
+        env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT)),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
-def test_calm_step_benchmark_runs_on_the_tiny_model():
+def _lora_parameters(model, r: int) -> int:
+    """r x (in + out) per adapted linear layer: every linear layer but the output layer."""
+    return sum(
+        r * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name != "lm_head"
+    )
+
+
+def test_calm_step_benchmark_runs_on_the_tiny_model_and_writes_its_costs(tmp_path):
     out = _run(
         "calm_step.py",
-        *("--model", "tiny", "--inner-steps", "2", "--steps", "1"),
+        *("--model", "tiny", "--tokenizer", "bytes", "--inner-steps", "2", "--steps", "1"),
         *("--repeats", "1", "--seq", "32", "--batch", "2", "--no-epoch"),
+        *("--json", str(tmp_path / "costs.json")),
     )
     assert "time ratio" in out and "memory ratio" in out
+    costs = json.loads((tmp_path / "costs.json").read_text())
+    assert set(costs["steps"]) == {"plain", "calm", "forward"}
+    assert costs["steps"]["calm"]["inner_steps"] == 2 and costs["batch"] == 2
+    loaded = load_language_model(costs["model"])
+    base = sum(p.numel() for p in loaded.model.parameters())
+    for step in costs["steps"].values():
+        assert step["trainable"] == _lora_parameters(loaded.model, r=64)
+        assert step["parameters"] == base + step["trainable"]
+        assert step["step_s"] > 0 and step["peak_mb"] >= step["loaded_mb"] > 0
+    ratio = costs["steps"]["calm"]["step_s"] / (costs["steps"]["plain"]["step_s"] * 5)
+    assert costs["ratios"]["time"] == pytest.approx(ratio)
+    assert f"{ratio:.3f}" in out
+
+
+@pytest.mark.slow
+def test_calm_step_benchmark_runs_on_a_random_shape_with_both_schedules(tmp_path):
+    out = _run(
+        "calm_step.py",
+        *("--model", "random", "--shape", "small", "--tokenizer", "bytes", "--steps", "1"),
+        *("--repeats", "1", "--seq", "32", "--batch", "2", "--inner-steps", "2"),
+        *("--epoch-inner-steps", "2", "--epoch-batches", "20"),
+        *("--json", str(tmp_path / "costs.json")),
+        timeout=1800,  # nine worker processes, each loading the model
+    )
+    assert "amortized ratio" in out and "per_step ratio" in out
+    costs = json.loads((tmp_path / "costs.json").read_text())
+    assert set(costs["steps"]) == {"plain", "calm", "reg", "per_step", "amortized", "forward"}
+    assert costs["shape_parameters"] == parameter_count(SHAPES["small"])
+    plain = costs["steps"]["plain"]
+    assert plain["parameters"] - plain["trainable"] == costs["shape_parameters"]
 
 
 def test_calm_epoch_benchmark_runs_on_the_tiny_model():

@@ -154,6 +154,10 @@ def check_config(cfg, method_cls, sources: dict) -> None:
     from calm_lightning.runtime.parallel import check_parallel_jobs
 
     check_parallel_jobs(cfg)
+    if cfg.model.get("source") == "tiny":
+        from calm_lightning.models.loading import check_random_model
+
+        check_random_model(plain(cfg.model))
 
 
 def check_strategy(cfg) -> None:

@@ -1,0 +1,343 @@
+"""The GPU acceptance checks behind `scripts/gpu_check.sh`, sized for an offline node.
+
+    python -m calm_lightning.acceptance --out DIR [--cpu]
+
+Every check uses the tiny model or a random-weight shape with the byte-level tokenizer and
+the bundled demo data: nothing is downloaded and the embedded-model wheel is not needed. Each
+prints one PASS / FAIL / SKIP line; DIR/gpu_check.json records every check's numbers. `--cpu`
+runs the same checks on the CPU (the default test suite runs it, so the checks cannot rot);
+there the device-comparison checks compare two CPU computations and the cost ratios are
+reported without being judged (a shared CPU is too noisy for the targets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model=tiny",
+    "model.tokenizer=bytes",
+    "peft.r=4",
+    "logger=csv",
+    "trainer.enable_progress_bar=false",
+    "evaluation.compare_with_base=false",
+]
+# Byte-level tokens are ~4x more than BPE ones: keep training rows short (cut from the left).
+TRAIN = [
+    "setting.test.limit=8",
+    "setting.max_length=96",
+    "trainer.max_steps=2",
+    "trainer.limit_train_batches=2",
+]
+SCORE_TOLERANCE = 2e-3  # GPU against CPU probabilities, tiny fp32 model
+TIME_TARGET, MEMORY_TARGET = 1.1, 1.25  # CALM outer step vs plain LoRA (benchmarks/README.md)
+SAMPLER_TARGET = 5.0  # cached sampler vs 20 generate calls (benchmarks/README.md)
+
+
+def distributed_job(method: str, strategy: str = "ddp", devices: int = 2) -> list[str]:
+    """The overrides of a distributed check's job (two GPUs under NCCL)."""
+    return [*TINY, *TRAIN, "trainer.accelerator=gpu", "setting=demo_id", f"method={method}",
+            f"trainer={strategy}", f"trainer.devices={devices}"]  # fmt: skip
+
+
+class Skip(Exception):
+    """The check cannot run here (not a failure)."""
+
+
+def _env() -> dict:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return dict(os.environ, PYTHONPATH=path, **offline)
+
+
+def _run_in_process(overrides: list[str], out: Path) -> dict:
+    """One `calm_lightning.run` job in this process; returns its metrics.json."""
+    from hydra import compose, initialize_config_module
+
+    from calm_lightning.pipeline import run_experiment
+
+    with initialize_config_module("calm_lightning.conf", version_base="1.3"):
+        cfg = compose("run", overrides=[*overrides, f"paths.output_dir={out}"])
+    run_experiment(cfg)
+    return json.loads((out / "metrics.json").read_text())
+
+
+def _run_command(args: list[str], log: Path, timeout: int = 600) -> str:
+    done = subprocess.run(
+        args, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=timeout, check=False
+    )
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise AssertionError(f"exit {done.returncode}, see {log}")
+    return done.stdout
+
+
+def _finite_metrics(saved: dict) -> dict:
+    metrics = saved["metrics"]
+    bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
+    assert not bad, f"non-finite metrics {bad}"
+    return metrics
+
+
+def _logged_training(out: Path, method: str) -> int:
+    """How many finite training values (`<method>/...`) the csv logger wrote."""
+    import csv
+
+    with (out / "csv" / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    values = [float(v) for row in rows for k, v in row.items() if k.startswith(f"{method}/") and v]
+    assert values, f"no {method}/* value logged"
+    assert all(math.isfinite(v) for v in values), f"a logged {method}/* value is not finite"
+    return len(values)
+
+
+def _benchmark(script: str, args: list[str], out: Path) -> str:
+    """Run benchmarks/SCRIPT's main() in this process (no second start-up); its printout."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location(script, ROOT / "benchmarks" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    printed, argv = io.StringIO(), sys.argv
+    sys.argv = [str(spec.origin), *args]
+    try:
+        with contextlib.redirect_stdout(printed):
+            module.main()
+    finally:
+        sys.argv = argv
+        (out / f"{script}.log").write_text(printed.getvalue())
+    return printed.getvalue()
+
+
+class Checks:
+    """One method per check (ORDER); each returns its numbers or raises Skip / an error."""
+
+    def __init__(self, out: Path, cpu: bool) -> None:
+        import torch
+
+        self.out, self.cpu = out, cpu
+        self.gpus = 0 if cpu else torch.cuda.device_count()
+        self.device = ["trainer.accelerator=cpu"] if cpu else ["trainer.accelerator=gpu"]
+
+    # bf16-mixed CALM, both surrogate schedules: finite metrics and logged training losses.
+    def calm_bf16_per_step(self, out: Path) -> dict:
+        return self._calm(out, "per_step")
+
+    def calm_bf16_amortized(self, out: Path) -> dict:
+        return self._calm(out, "amortized")
+
+    def _calm(self, out: Path, schedule: str) -> dict:
+        overrides = [
+            *TINY, *TRAIN, *self.device, "trainer.devices=1", "setting=demo", "method=calm",
+            "trainer.precision=bf16-mixed", "method.module.inner_steps=2",
+            f"method.module.surrogate.schedule={schedule}",
+        ]  # fmt: skip
+        saved = _run_in_process(overrides, out)
+        metrics = _finite_metrics(saved)
+        config = (out / "config_resolved.yaml").read_text()
+        assert "precision: bf16-mixed" in config
+        return {"conf_ece": metrics["conf_ece"], "logged_values": _logged_training(out, "calm")}
+
+    # Single-level methods under DDP on two processes (their collectives, the NCCL path).
+    def ddp_reg(self, out: Path) -> dict:
+        return self._ddp(out, "reg")
+
+    def ddp_ls(self, out: Path) -> dict:
+        return self._ddp(out, "ls")
+
+    def ddp_cft(self, out: Path) -> dict:
+        return self._ddp(out, "cft")
+
+    # FSDP with the single-level methods (the only ones it allows), on up to 2 GPUs.
+    def fsdp_reg(self, out: Path) -> dict:
+        if self.cpu:
+            raise Skip("FSDP runs on CUDA devices only")
+        return self._distributed(out, distributed_job("reg", "fsdp", min(self.gpus, 2)))
+
+    def _ddp(self, out: Path, method: str) -> dict:
+        overrides = [*TINY, *TRAIN, *self.device, "setting=demo_id", f"method={method}"]
+        if self.cpu:
+            # One process here: starting two (each importing torch and Lightning) would triple
+            # the CPU run; the two-process collectives, with NCCL's device rule enforced on
+            # gloo, are tests/test_distributed.py's.
+            metrics = _finite_metrics(_run_in_process(overrides, out))
+            return {"conf_ece": metrics["conf_ece"], "processes": 1}
+        if self.gpus < 2:
+            raise Skip(f"needs 2 GPUs, {self.gpus} visible")
+        return self._distributed(out, distributed_job(method))
+
+    def _distributed(self, out: Path, overrides: list[str]) -> dict:
+        """A job in its own processes (Lightning starts one per device by re-running it)."""
+        out.mkdir(parents=True, exist_ok=True)
+        args = [sys.executable, "-m", "calm_lightning.run", *overrides, f"hydra.run.dir={out}"]
+        _run_command(args, out / "run.log")
+        metrics = _finite_metrics(json.loads((out / "metrics.json").read_text()))
+        devices = next(o for o in overrides if o.startswith("trainer.devices="))
+        return {"conf_ece": metrics["conf_ece"], "processes": int(devices.split("=")[1])}
+
+    # MCQA scoring on the device (batches of 4) equals the CPU's (one question at a time).
+    def scoring_letter(self, out: Path) -> dict:
+        return self._scoring(out, "letter")
+
+    def scoring_cloze(self, out: Path) -> dict:
+        return self._scoring(out, "cloze")
+
+    def _scoring(self, out: Path, scoring: str) -> dict:
+        common = [*TINY, "setting=demo", "setting.test.limit=12", "method=base",
+                  "trainer.precision=32-true", f"evaluation.scoring={scoring}"]  # fmt: skip
+        probs = {}
+        for name, extra in (
+            ("device", [*self.device, "setting.eval_batch_size=4"]),
+            ("cpu", ["trainer.accelerator=cpu", "setting.eval_batch_size=1"]),
+        ):
+            _run_in_process([*common, *extra], out / name)
+            rows = (out / name / "predictions.jsonl").read_text().splitlines()
+            probs[name] = [json.loads(row)["probs"] for row in rows]
+        assert len(probs["device"]) == len(probs["cpu"]) == 12
+        worst = max(
+            abs(a - b)
+            for da, db in zip(probs["device"], probs["cpu"], strict=True)
+            for a, b in zip(da, db, strict=True)
+        )
+        assert worst <= SCORE_TOLERANCE, f"max |p_device - p_cpu| = {worst:.2e}"
+        return {"max_abs_difference": worst, "tolerance": SCORE_TOLERANCE}
+
+    # CALM's outer step against plain LoRA: time and memory ratios (benchmarks/calm_step.py).
+    def calm_cost_ratios(self, out: Path) -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        if self.cpu:
+            return self._calm_cost_in_process()
+        # A 1B-class shape (Gemma 3 1B), bf16, the benchmark's batch of 4 x 256 tokens.
+        model = ["--model", "random", "--shape", "gemma3_1b", "--tokenizer", "bytes",
+                 "--batch", "4", "--seq", "256", "--inner-steps", "5", "--steps", "2"]  # fmt: skip
+        args = [sys.executable, str(ROOT / "benchmarks" / "calm_step.py"), *model,
+                "--repeats", "1", "--no-epoch", "--json", str(out / "costs.json")]  # fmt: skip
+        _run_command(args, out / "calm_step.log")
+        costs = json.loads((out / "costs.json").read_text())
+        ratios = costs["ratios"]
+        assert all(math.isfinite(v) and v > 0 for v in ratios.values()), ratios
+        if not self.cpu:
+            assert ratios["time"] <= TIME_TARGET, f"time ratio {ratios['time']:.3f}"
+            assert ratios["memory"] <= MEMORY_TARGET, f"memory ratio {ratios['memory']:.3f}"
+        return {"model": costs["model"].get("name"), **ratios, "judged": not self.cpu}
+
+    def _calm_cost_in_process(self) -> dict:
+        """--cpu: plain and CALM step times of the tiny model, timed in this process by the
+        benchmark's own worker (no isolated workers, so no memory ratio: a process's peak RSS
+        only grows)."""
+        import importlib.util
+
+        path = ROOT / "benchmarks" / "calm_step.py"
+        spec = importlib.util.spec_from_file_location("calm_step", path)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        times = {}
+        for mode in ("plain", "calm"):
+            args = argparse.Namespace(
+                model="tiny", tokenizer="bytes", shape=None, dtype="float32", quantization="none",
+                worker=mode, inner_steps=2, epoch_inner_steps=2, amortized_steps=1, steps=1,
+                batch=2, seq=32, dropout=0.01, inner_optimizer="adam", inner_lr=None,
+            )  # fmt: skip
+            times[mode] = bench.worker(args)["step_s"]
+        ratio = times["calm"] / (times["plain"] * (2 + 3))
+        assert math.isfinite(ratio) and ratio > 0
+        return {"model": "tiny", "time": ratio, "memory": "not measured", "judged": False}
+
+    # 4-bit QLoRA CALM on a random-weight shape (bitsandbytes and a GPU).
+    def qlora_nf4(self, out: Path) -> dict:
+        import importlib.util
+
+        if self.cpu:
+            raise Skip("4-bit nf4 needs a CUDA GPU")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise Skip("bitsandbytes is not installed")
+        overrides = [
+            *[o for o in TINY if not o.startswith("model=")], *TRAIN, *self.device,
+            "model=random", "model.shape=small", "model.quantization=nf4", "setting=demo",
+            "method=calm", "method.module.inner_steps=2", "trainer.devices=1",
+        ]  # fmt: skip
+        metrics = _finite_metrics(_run_in_process(overrides, out))
+        assert "quantization: nf4" in (out / "config_resolved.yaml").read_text()
+        return {"conf_ece": metrics["conf_ece"]}
+
+    # The Sem-ECE sampler against 20 separate generate calls (benchmarks/sampling.py).
+    def sampler_vs_generate(self, out: Path) -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        # --cpu: 5 samples of 4 tokens (each generate call costs ~0.4 s of Python on a CPU);
+        # on a GPU the Sem-ECE evaluation's 20 samples.
+        questions, samples, tokens = ("1", 5, "4") if self.cpu else ("4", 20, "8")
+        args = ["--model", "tiny", "--tokenizer", "bytes", "--questions", questions, "--batch",
+                questions, "--samples", str(samples), "--max-new-tokens", tokens]  # fmt: skip
+        printed = _benchmark("sampling", args, out)
+        pattern = rf"speed-up vs {samples} generate calls: ([\d.]+)x"
+        speedup = float(re.search(pattern, printed).group(1))
+        if not self.cpu:
+            assert speedup >= SAMPLER_TARGET, f"speed-up {speedup:.2f}x < {SAMPLER_TARGET}x"
+        return {"speedup": speedup, "target": SAMPLER_TARGET, "judged": not self.cpu}
+
+
+ORDER = [
+    "calm_bf16_per_step", "calm_bf16_amortized", "ddp_reg", "ddp_ls", "ddp_cft", "fsdp_reg",
+    "scoring_letter", "scoring_cloze", "calm_cost_ratios", "qlora_nf4", "sampler_vs_generate",
+]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m calm_lightning.acceptance")
+    parser.add_argument("--out", default="outputs/gpu_check", help="logs and gpu_check.json")
+    parser.add_argument("--cpu", action="store_true", help="the same checks on the CPU")
+    parser.add_argument("--only", nargs="+", choices=ORDER, help="run these checks only")
+    args = parser.parse_args(argv)
+    import logging
+
+    import torch
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    if not args.cpu and not torch.cuda.is_available():
+        print("FAIL cuda: no CUDA GPU visible (run with --cpu for the CPU checks)")
+        return 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checks = Checks(out, args.cpu)
+    device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
+    record = {"mode": "cpu" if args.cpu else "gpu", "device": device, "torch": torch.__version__,
+              "gpus": checks.gpus, "checks": []}  # fmt: skip
+    for name in args.only or ORDER:
+        start = time.perf_counter()
+        entry = {"name": name}
+        try:
+            entry["data"] = getattr(checks, name)(out / name)
+            entry["status"] = "PASS"
+        except Skip as why:
+            entry["status"], entry["detail"] = "SKIP", str(why)
+        except Exception as err:  # a check's failure is reported, the others still run
+            entry["status"], entry["detail"] = "FAIL", f"{type(err).__name__}: {err}"
+            (out / f"{name}.error.log").write_text(traceback.format_exc())
+        entry["seconds"] = round(time.perf_counter() - start, 1)
+        record["checks"].append(entry)
+        detail = entry.get("detail") or ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in entry.get("data", {}).items()
+        )
+        print(f"{entry['status']} {name} ({entry['seconds']} s): {detail}", flush=True)
+    (out / "gpu_check.json").write_text(json.dumps(record, indent=2))
+    failed = [c["name"] for c in record["checks"] if c["status"] == "FAIL"]
+    print(f"{'some checks failed: ' + ', '.join(failed) if failed else 'all checks passed'} "
+          f"(json and logs in {out})")  # fmt: skip
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
