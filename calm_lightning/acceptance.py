@@ -23,6 +23,8 @@ import time
 import traceback
 from pathlib import Path
 
+from calm_lightning.runtime.run_record import CONFIG_FILE, read_predictions, read_run
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "model=tiny",
@@ -69,7 +71,7 @@ def _run_in_process(overrides: list[str], out: Path) -> dict:
     with initialize_config_module("calm_lightning.conf", version_base="1.3"):
         cfg = compose("run", overrides=[*overrides, f"paths.output_dir={out}"])
     run_experiment(cfg)
-    return json.loads((out / "metrics.json").read_text())
+    return read_run(out).summary
 
 
 def _run_command(args: list[str], log: Path, timeout: int = 600) -> str:
@@ -146,7 +148,7 @@ class Checks:
         ]  # fmt: skip
         saved = _run_in_process(overrides, out)
         metrics = _finite_metrics(saved)
-        config = (out / "config_resolved.yaml").read_text()
+        config = (out / CONFIG_FILE).read_text()
         assert "precision: bf16-mixed" in config
         return {"conf_ece": metrics["conf_ece"], "logged_values": _logged_training(out, "calm")}
 
@@ -183,7 +185,7 @@ class Checks:
         out.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "calm_lightning.run", *overrides, f"hydra.run.dir={out}"]
         _run_command(args, out / "run.log")
-        metrics = _finite_metrics(json.loads((out / "metrics.json").read_text()))
+        metrics = _finite_metrics(read_run(out).summary)
         devices = next(o for o in overrides if o.startswith("trainer.devices="))
         return {"conf_ece": metrics["conf_ece"], "processes": int(devices.split("=")[1])}
 
@@ -203,8 +205,7 @@ class Checks:
             ("cpu", ["trainer.accelerator=cpu", "setting.eval_batch_size=1"]),
         ):
             _run_in_process([*common, *extra], out / name)
-            rows = (out / name / "predictions.jsonl").read_text().splitlines()
-            probs[name] = [json.loads(row)["probs"] for row in rows]
+            probs[name] = [row["probs"] for row in read_predictions(out / name)]
         assert len(probs["device"]) == len(probs["cpu"]) == 12
         worst = max(
             abs(a - b)
@@ -269,7 +270,7 @@ class Checks:
             "method=calm", "method.module.inner_steps=2", "trainer.devices=1",
         ]  # fmt: skip
         metrics = _finite_metrics(_run_in_process(overrides, out))
-        assert "quantization: nf4" in (out / "config_resolved.yaml").read_text()
+        assert "quantization: nf4" in (out / CONFIG_FILE).read_text()
         return {"conf_ece": metrics["conf_ece"]}
 
     # The Sem-ECE sampler against 20 separate generate calls (benchmarks/sampling.py).

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from calm_lightning.runtime.run_record import is_run_dir
+
 ROOT = Path(__file__).parents[1]
 SWEEPS = ROOT / "multirun_sweeps"
 SCRIPTS = sorted(p for p in SWEEPS.glob("*.sh") if p.name != "lib.sh")
@@ -126,7 +128,7 @@ def test_head_ablation_script_end_to_end_on_the_tiny_model(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    jobs = sorted(p for p in (out / "tiny" / "head_ablation").iterdir() if p.is_dir())
+    jobs = sorted(p for p in (out / "tiny" / "head_ablation").iterdir() if is_run_dir(p))
     assert len(jobs) == _jobs_in_grid("head_ablation") == 2
     assert (out / "report" / "report.md").is_file()
     with (out / "report" / "results.csv").open() as handle:

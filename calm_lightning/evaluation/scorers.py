@@ -92,6 +92,11 @@ class MCQAScorer:
         """(K,) option logits of one question (an exported model's `option_probabilities`)."""
         raise NotImplementedError
 
+    def describe(self, prompt: dict, option_tokens: dict | None) -> str:
+        """One sentence for a model card: how answers were scored (`prompt` as recorded by
+        `prompt_format`)."""
+        raise NotImplementedError
+
 
 class LetterScorer(MCQAScorer):
     name = "letter"
@@ -153,6 +158,16 @@ class LetterScorer(MCQAScorer):
             "scored_position": "the next token after the prompt (the answer slot)",
             "max_length": max_length,
         }
+
+    def describe(self, prompt: dict, option_tokens: dict | None) -> str:
+        tokens = option_tokens or {}
+        template = "chat-templated" if prompt.get("template") == "chat" else "plain"
+        return (
+            "Multiple-choice answers were scored on the **option letters** "
+            f"{tokens.get('letters', '')} spelled `{tokens.get('style')}` (token ids "
+            f"{tokens.get('ids')}) at the answer slot of the {template} prompt described in "
+            "`calibration.json` (`prompt`)."
+        )
 
     def score_question(self, model, tokenizer, question, options, option_tokens, max_length):
         from calm_lightning.data.collate import MCQACollator
@@ -240,6 +255,15 @@ class ClozeScorer(MCQAScorer):
         lse = torch.cat([t for _, t in rows])
         return fit_cloze_temperature(
             scores, lse, labels, temperature_scales(BOUNDS), self.normalize, BOUNDS
+        )
+
+    def describe(self, prompt: dict, option_tokens: dict | None) -> str:
+        template = "the chat template" if prompt.get("template") == "chat" else "a plain prompt"
+        return (
+            "Multiple-choice answers were scored by **cloze** (option likelihood, as lm-eval "
+            f"does): each option text's log-likelihood after the question in {template} "
+            f"({prompt.get('context')}), normalisation `{prompt.get('normalize')}`, then a "
+            "softmax over the options; details in `calibration.json` (`prompt`)."
         )
 
     def prompt_format(self, tokenizer, max_length: int) -> dict:

@@ -252,24 +252,12 @@ def _calibration(info: dict) -> str:
 
 
 def _scoring(info: dict) -> str:
-    """How the run scored its multiple-choice answers (calibration.json's `prompt`)."""
+    """How the run scored its multiple-choice answers (calibration.json's `prompt`), in the
+    words of the scorer that recorded it."""
+    from calm_lightning.evaluation.scorers import scorer_from_prompt
+
     prompt = info["prompt"]
-    if prompt.get("scoring") == "cloze":
-        template = "the chat template" if prompt.get("template") == "chat" else "a plain prompt"
-        return (
-            "Multiple-choice answers were scored by **cloze** (option likelihood, as lm-eval "
-            f"does): each option text's log-likelihood after the question in {template} "
-            f"({prompt.get('context')}), normalisation `{prompt.get('normalize')}`, then a "
-            "softmax over the options; details in `calibration.json` (`prompt`)."
-        )
-    tokens = info["option_tokens"] or {}
-    template = "chat-templated" if prompt.get("template") == "chat" else "plain"
-    return (
-        "Multiple-choice answers were scored on the **option letters** "
-        f"{tokens.get('letters', '')} spelled `{tokens.get('style')}` (token ids "
-        f"{tokens.get('ids')}) at the answer slot of the {template} prompt described in "
-        "`calibration.json` (`prompt`)."
-    )
+    return scorer_from_prompt(prompt).describe(prompt, info["option_tokens"])
 
 
 def _cell(key: str, value) -> str:
