@@ -639,6 +639,7 @@ def test_a_temperature_run_folds_into_the_weights_and_serves_without_the_project
     np.testing.assert_allclose(np.array(probs), _predictions(run_dir)[:4], atol=1e-5)
 
 
+@pytest.mark.slow  # a whole evaluation run; the default suite keeps to ~15 minutes
 def test_a_folded_export_evaluates_as_a_base_model(ts_run, tmp_path, compose):
     """The MCQA evaluation of a folded export: `method=base model.local_path=<export>` scores
     the run's test questions as the TS run did."""
