@@ -104,17 +104,13 @@ def evaluate_run(
     from calm_lightning.exported.logits_processor import CALIBRATION_FILE
     from calm_lightning.exported.writer import inspect_run, load_base_model, target_dtype
     from calm_lightning.models.calibrated_lm import CalibratedLM
-    from calm_lightning.runtime.run_record import RETENTION_FILE, is_run_dir, write_retention
+    from calm_lightning.runtime.run_record import is_run_dir, write_retention
 
     if not is_run_dir(run_dir) and (Path(run_dir) / CALIBRATION_FILE).is_file():
         return evaluate_export(run_dir, arguments, out, overwrite)
     run = inspect_run(run_dir, exporting=False)
     out = Path(out) if out else run.run_dir
-    target = out / RETENTION_FILE
-    if target.exists() and not overwrite:
-        raise ConfigError(
-            f"{target} exists; pass overwrite=true to replace it, or another out=<dir>"
-        )
+    _check_target(out, overwrite)
     # Data first: a missing file stops before the model loads.
     retention = RetentionStep(settings_for(run.cfg, arguments or {}), out)
     loaded = load_base_model(run, target_dtype(run))
@@ -140,15 +136,11 @@ def evaluate_export(
     from calm_lightning.evaluation.lm_eval_retention import RetentionStep
     from calm_lightning.exported.inference import load_calibrated
     from calm_lightning.models.calibrated_lm import CalibratedLM
-    from calm_lightning.runtime.run_record import RETENTION_FILE, write_retention
+    from calm_lightning.runtime.run_record import write_retention
 
     folder = Path(folder)
     out = Path(out) if out else folder
-    target = out / RETENTION_FILE
-    if target.exists() and not overwrite:
-        raise ConfigError(
-            f"{target} exists; pass overwrite=true to replace it, or another out=<dir>"
-        )
+    _check_target(out, overwrite)
     retention = RetentionStep(settings_for(None, arguments or {}), out)
     calibrated = load_calibrated(folder)
     lm = CalibratedLM(calibrated.model, calibrated.processor.head).eval()
@@ -162,6 +154,17 @@ def evaluate_export(
     print(f"\nretention of the export {folder} (lm-eval, zero-shot; {path})")
     print(retention.table())
     return path
+
+
+def _check_target(out: Path, overwrite: bool) -> None:
+    """Refuse to replace an existing retention.json unless asked to."""
+    from calm_lightning.runtime.run_record import RETENTION_FILE
+
+    target = out / RETENTION_FILE
+    if target.exists() and not overwrite:
+        raise ConfigError(
+            f"{target} exists; pass overwrite=true to replace it, or another out=<dir>"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -801,7 +801,7 @@ def test_the_front_matter_lists_the_settings_hub_datasets(compose, ood_overrides
     from calm_lightning.exported.model_card import hub_datasets
 
     cfg = compose(["model=smollm2", "method=calm", *ood_overrides])
-    assert set(hub_datasets(cfg)) == {
+    assert set(hub_datasets(cfg.setting)) == {
         "tatsu-lab/alpaca",
         "cais/mmlu",
         "openlifescienceai/medmcqa",

@@ -32,8 +32,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 def fold_obstacle(head: LogitAdjustment, model: nn.Module, adapted_output: bool) -> str | None:
     """Why `head` cannot be folded into `model`'s output layer exactly, or None if it can."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
-    if getattr(config, "final_logit_softcapping", None):
+    if getattr(_text_config(model), "final_logit_softcapping", None):
         return "the model caps its logits after the output layer (final_logit_softcapping)"
     if adapted_output:
         return "the unmerged LoRA adapter changes the output layer itself"

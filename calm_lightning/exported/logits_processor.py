@@ -105,9 +105,9 @@ class CalibrationLogitsProcessor(LogitsProcessor):
             return scores
         if self.head.scale.device != scores.device:
             self.head.to(scores.device)
-        if not bool((torch.logsumexp(scores.float(), dim=-1) <= LOG_PROB_TOLERANCE).all()):
-            return self._adjust(scores)
         finite = torch.isfinite(scores)
+        if not bool((torch.logsumexp(scores.float(), dim=-1) <= LOG_PROB_TOLERANCE).all()):
+            return self._adjust(scores, finite)
         obstacle = self.log_prob_obstacle(masked=not bool(finite.all()))
         if obstacle is not None:
             raise ValueError(
@@ -119,29 +119,28 @@ class CalibrationLogitsProcessor(LogitsProcessor):
                 "themselves, and generate without this processor; or decode greedily / by "
                 "sampling."
             )
-        if self.head.kind == "vector" and self.head.center == "logsumexp":
-            # log_softmax(z) is z - lse(z) already, masked entries or not: no second centering.
-            z = scores.float().masked_fill(~finite, 0.0)
-            adjusted = torch.addcmul(self.head.bias, z, self.head.scale)
-            adjusted = adjusted.masked_fill(~finite, float("-inf"))
-        else:
-            adjusted = self._adjust(scores)
+        # log_softmax(z) is z - lse(z) already, masked entries or not: no second centering.
+        center = "none" if self.head.center == "logsumexp" else self.head.center
+        adjusted = self._adjust(scores, finite, center)
         # Normalized, so the beams add up the calibrated log-probabilities themselves.
         return torch.log_softmax(adjusted, dim=-1)
 
-    def _adjust(self, scores: torch.Tensor) -> torch.Tensor:
-        finite = torch.isfinite(scores)
-        if bool(finite.all()):
+    def _adjust(
+        self, scores: torch.Tensor, finite: torch.Tensor, center: str | None = None
+    ) -> torch.Tensor:
+        """The head on `scores` (`finite`: their finite entries), centred as the head says
+        or as `center` overrides."""
+        center = self.head.center if center is None else center
+        if center == self.head.center and bool(finite.all()):
             return self.head(scores)
         # An earlier processor masked some tokens (-inf): centre on the tokens still allowed
         # (a mean over -inf is undefined) and keep the masked ones masked.
         z = scores.float()
-        allowed = z.masked_fill(~finite, 0.0)
-        if self.head.center == "logsumexp":
+        if center == "logsumexp":
             z = z - torch.logsumexp(z, dim=-1, keepdim=True)
-        elif self.head.center == "mean":
+        elif center == "mean":
             count = finite.sum(-1, keepdim=True).clamp(min=1)
-            z = z - allowed.sum(-1, keepdim=True) / count
+            z = z - z.masked_fill(~finite, 0.0).sum(-1, keepdim=True) / count
         adjusted = torch.addcmul(self.head.bias, z.masked_fill(~finite, 0.0), self.head.scale)
         return adjusted.masked_fill(~finite, float("-inf"))
 

@@ -59,8 +59,9 @@ INDEX_METRICS = {
 }
 
 
-def hub_datasets(cfg) -> list[str]:
-    """The Hub dataset ids the run's setting reads (train, held-out and test sources)."""
+def hub_datasets(node) -> list[str]:
+    """The Hub dataset ids a config node names (the setting: its train, held-out and test
+    sources; one split's block: its own)."""
     found: list[str] = []
 
     def walk(node) -> None:
@@ -74,7 +75,7 @@ def hub_datasets(cfg) -> list[str]:
             for value in node:
                 walk(value)
 
-    walk(OmegaConf.to_container(cfg.setting, resolve=True))
+    walk(OmegaConf.to_container(node, resolve=True))
     return found
 
 
@@ -83,7 +84,7 @@ def _front_matter(run, info: dict) -> str:
     if run.base_model_id:
         meta["base_model"] = run.base_model_id
     meta["license"] = run.cfg.model.get("license") or "other"
-    datasets = hub_datasets(run.cfg)
+    datasets = hub_datasets(run.cfg.setting)
     if datasets:
         meta["datasets"] = datasets
     meta["language"] = ["en"]
@@ -103,7 +104,7 @@ def _front_matter(run, info: dict) -> str:
 def _model_index(run, info: dict) -> dict:
     metrics = run.metrics.get("metrics", {})
     test = (run.record.data_summary or {}).get("test") or {}
-    datasets = [d for d in hub_datasets(run.cfg) if d in str(run.cfg.setting.get("test"))]
+    datasets = hub_datasets(run.cfg.setting.test)
     scoring = info["prompt"].get("scoring", "letter")
     return {
         "name": f"{run.base_model_id or run.cfg.model.name}-{run.method}",
