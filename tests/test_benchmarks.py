@@ -153,3 +153,33 @@ def test_base_cache_benchmark_runs_on_the_tiny_model():
     out = _run("base_cache.py", "--jobs", "2", "--limit", "8")
     assert "wall-time ratio with / without cache" in out
     assert "base rows byte-identical with and without the cache: True" in out
+
+
+def test_known_miscalibration_renders_mean_and_sample_std_and_the_by_k_figure(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    records = []
+    for k in (1.0, 4.0):
+        records.append({"logit_scale": k, "setting": "demo", "method": "base", "schedule": None,
+                        "seed": 0, "label": None, "accuracy": 0.5, "mean_confidence": 0.9,
+                        "conf_ece": 0.2 * k, "cw_ece": 0.1, "effective_temperature": None,
+                        "run_dir": None})  # fmt: skip
+        for seed in (0, 1, 2):
+            records.append({**records[-1 - seed], "method": "calm", "schedule": "per_step",
+                            "seed": seed, "accuracy": float(rng.uniform(0.4, 0.6)),
+                            "conf_ece": float(rng.uniform(0.1, 0.3)),
+                            "effective_temperature": float(rng.uniform(1, 3))})  # fmt: skip
+    results = tmp_path / "km.json"
+    results.write_text(json.dumps(records))
+    out = _run("known_miscalibration.py", "--render-only", "--results", str(results))
+    for k in (1.0, 4.0):
+        calm = [r for r in records if r["method"] == "calm" and r["logit_scale"] == k]
+        ece = np.array([r["conf_ece"] for r in calm])
+        row = next(line for line in out.splitlines() if line.startswith(f"| {k:g} | OOD | calm"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3] == "3"
+        assert cells[6] == f"{ece.mean():.4f} ± {ece.std(ddof=1):.4f}"  # sample std
+    assert (tmp_path / "km.md").read_text().strip() == out.strip()
+    assert (tmp_path / "km_by_k.png").stat().st_size > 0  # two k in one setting
+    assert not (tmp_path / "km.png").exists()  # no run folders: no reliability diagrams
