@@ -183,3 +183,31 @@ def test_known_miscalibration_renders_mean_and_sample_std_and_the_by_k_figure(tm
     assert (tmp_path / "km.md").read_text().strip() == out.strip()
     assert (tmp_path / "km_by_k.png").stat().st_size > 0  # two k in one setting
     assert not (tmp_path / "km.png").exists()  # no run folders: no reliability diagrams
+
+
+def test_temperature_profile_at_s_equal_k_is_the_pipelines_k_scaled_base(compose, tmp_path):
+    """One pass of the unscaled model gives the option probabilities at any scale s; at s = k
+    they must be what the pipeline scores for the model whose final norm weight is x k."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from temperature_profile import profile
+
+    from calm_lightning.metrics.calibration import confidence_ece
+    from calm_lightning.pipeline import run_experiment
+
+    common = ["model=tiny", "peft.r=4", "method=base", "setting=demo", "setting.test.limit=8",
+              "setting.eval_batch_size=4", "evaluation.scoring=cloze",
+              "evaluation.cloze.prompt=plain", "trainer.enable_progress_bar=false"]  # fmt: skip
+    scales = [1.0, 2.5]
+    rows, probs = profile(compose([*common, "model.logit_scale=1"], tmp_path / "p"), scales)
+    for k, row, mine in zip(scales, rows, probs, strict=True):
+        out = tmp_path / f"k{k}"
+        run_experiment(compose([*common, f"model.logit_scale={k}"], out))
+        scored = [json.loads(line) for line in (out / "predictions.jsonl").open()]
+        theirs = np.array([r["probs"] for r in scored])
+        assert mine.shape == (8, 4) and np.abs(mine - theirs).max() < 1e-5
+        labels = np.array([r["label"] for r in scored])
+        assert abs(row["conf_ece"] - confidence_ece(mine, labels)) < 1e-12
+        assert abs(row["mean_confidence"] - theirs.max(1).mean()) < 1e-5
+    assert np.abs(probs[0] - probs[1]).max() > 1e-2  # the scale matters
