@@ -29,10 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def scales_for(records: list[dict]) -> list[float]:
-    """A log grid from 0.1 to 8 plus every scale the study's records sit at."""
+    """A log grid from 0.1 to 8, the unscaled model (s = 1) and every scale the study's
+    records sit at."""
     import numpy as np
 
-    grid = {round(float(s), 6) for s in np.logspace(-1, np.log10(8), 61)}
+    grid = {round(float(s), 6) for s in np.logspace(-1, np.log10(8), 61)} | {1.0}
     for r in records:
         grid.add(round(float(r["logit_scale"]), 6))
         if r.get("effective_temperature"):
