@@ -211,3 +211,38 @@ def test_temperature_profile_at_s_equal_k_is_the_pipelines_k_scaled_base(compose
         assert abs(row["conf_ece"] - confidence_ece(mine, labels)) < 1e-12
         assert abs(row["mean_confidence"] - theirs.max(1).mean()) < 1e-5
     assert np.abs(probs[0] - probs[1]).max() > 1e-2  # the scale matters
+
+
+def test_paired_bootstrap_matches_a_hand_resampled_difference(tmp_path):
+    """The script's standard error of conf-ECE(b) − conf-ECE(a) is the spread of that
+    difference over questions resampled with replacement, the same questions for both runs."""
+    import numpy as np
+
+    from calm_lightning.metrics.calibration import confidence_ece
+
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 4, 200)
+    logits = rng.normal(size=(200, 4)) + 1.5 * np.eye(4)[labels]
+    pa = np.exp(3 * logits) / np.exp(3 * logits).sum(1, keepdims=True)  # over-confident
+    pb = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    for name, p in (("a", pa), ("b", pb)):
+        (tmp_path / name).mkdir()
+        rows = [{"id": f"q{i}", "probs": p[i].tolist(), "label": int(labels[i])}
+                for i in range(200)]  # fmt: skip
+        rows = rows[::-1] if name == "b" else rows  # paired by id, not by line
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        (tmp_path / name / "predictions.jsonl").write_text(text)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    out = _run("paired_bootstrap.py", a, b, "--resamples", "1000")
+    diff = confidence_ece(pb, labels) - confidence_ece(pa, labels)
+    assert f"b - a  {diff:+.4f}" in out
+    se = float(out.split("s.e. ")[1].split(",")[0])
+    mine = []
+    for _ in range(1000):
+        i = rng.integers(0, 200, 200)
+        mine.append(confidence_ece(pb[i], labels[i]) - confidence_ece(pa[i], labels[i]))
+    assert abs(se - np.std(mine)) < 0.15 * np.std(mine)
+    low, high = (float(x) for x in out.split("interval [")[1].split("]")[0].split(", "))
+    assert low < diff < high and high - low > 2 * se
+    same = _run("paired_bootstrap.py", a, a, "--resamples", "50")
+    assert "b - a  +0.0000  paired bootstrap s.e. 0.0000" in same
