@@ -10,31 +10,26 @@ scipy's `stats.bootstrap`.
     python benchmarks/paired_bootstrap.py RUN_A RUN_B [--metric conf_ece|classwise_ece]
         [--resamples 2000] [--seed 0]
 
-RUN_A and RUN_B are run folders (or their `predictions.jsonl` files).
+RUN_A and RUN_B are run folders (or their predictions files).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def predictions(path: Path) -> dict[str, tuple[list[float], int]]:
-    """Question id -> (option probabilities, label) of one run."""
-    if path.is_dir():
-        path = path / "predictions.jsonl"
-    if not path.is_file():
-        sys.exit(f"error: {path} not found: give a run folder holding predictions.jsonl")
-    out = {}
-    with path.open() as f:
-        for line in f:
-            record = json.loads(line)
-            out[record["id"]] = (record["probs"], int(record["label"]))
-    return out
+    """Question id -> (option probabilities, label) of one run folder."""
+    from calm_lightning.runtime.run_record import PREDICTIONS_FILE, read_predictions
+
+    if path.is_file() and path.name == PREDICTIONS_FILE:
+        path = path.parent
+    if not (path / PREDICTIONS_FILE).is_file():
+        sys.exit(f"error: no {PREDICTIONS_FILE} in {path}: give a run folder that was scored")
+    return {r["id"]: (r["probs"], int(r["label"])) for r in read_predictions(path)}
 
 
 def paired(a: dict, b: dict):
@@ -82,7 +77,6 @@ def main() -> None:
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     out = compare(*paired(predictions(args.run_a), predictions(args.run_b)),
                   metric=args.metric, resamples=args.resamples, seed=args.seed)  # fmt: skip
     print(f"{out['metric']} on {out['questions']} shared questions")
