@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 
-
 def predictions(path: Path) -> dict[str, tuple[list[float], int]]:
     """Question id -> (option probabilities, label) of one run folder."""
     from calm_lightning.runtime.run_record import PREDICTIONS_FILE, read_predictions
