@@ -227,7 +227,10 @@ def study(args) -> None:
         done = {(key(r), json.dumps(r["overrides"], sort_keys=True)) for r in records}
         for seed in args.seeds:
             for method in args.methods:
-                if method == "base" and seed != args.seeds[0]:
+                if method == "base" and any(
+                    (r["logit_scale"], r["setting"], r["method"]) == (k, setting, "base")
+                    for r in records
+                ):
                     continue  # no randomness: one run stands for every seed
                 schedule = method.split("_", 1)[1] if method.startswith("calm_") else None
                 if method == "calm_frozen_head":
