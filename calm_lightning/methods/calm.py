@@ -41,6 +41,7 @@ from calm_lightning.methods.objectives import (
     cross_entropy,
     mean_entropy,
     objective_count,
+    select_predictions,
 )
 from calm_lightning.methods.training import (
     TrainingMethod,
@@ -55,6 +56,11 @@ UPPER_OBJECTIVES = ("auto", "vocab", "options")
 
 INNER_OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("per_step", "amortized")
+# The stopping-point variant's switches (docs/calm.md, "CALM with a stopping point"); the first
+# value of each is the paper's form.
+VALUE_FUNCTIONS = ("lower", "joint")  # v = min over theta' of g | min over (theta', alpha')
+LAMBDA_BLOCKS = ("one", "per_block")  # one lambda over (theta, alpha) | one per block
+HEAD_STEPS = ("adamw", "sign")  # the head's optimizer: AdamW | sign descent (AdamW, betas 0)
 LowerLoss = Callable[[list[torch.Tensor] | None, bool], torch.Tensor]
 
 
@@ -86,12 +92,24 @@ class InnerStep:
     theta by). per_step starts its moments afresh at every outer step; the amortized schedule
     keeps them with its persistent surrogate (reset on re-synchronisation)."""
 
-    def __init__(self, kind: str, lr: float, betas=(0.9, 0.95), eps: float = 1e-8) -> None:
+    def __init__(
+        self, kind: str, lr: float | Sequence[float], betas=(0.9, 0.95), eps: float = 1e-8
+    ) -> None:
+        """`lr`: one step size, or one per tensor (the joint value function steps the head's
+        copy at the head's own scale)."""
         if kind not in INNER_OPTIMIZERS:
             choices = ", ".join(INNER_OPTIMIZERS)
             raise ConfigError(f"inner_optimizer={kind!r} is not one of {choices}")
-        self.kind, self.lr, self.betas, self.eps = kind, float(lr), tuple(betas), eps
+        self.lr = float(lr) if isinstance(lr, int | float) else [float(x) for x in lr]
+        self.kind, self.betas, self.eps = kind, tuple(betas), eps
         self.count, self.m, self.v = 0, None, None
+
+    def _lrs(self, n: int) -> list[float]:
+        if isinstance(self.lr, float):
+            return [self.lr] * n
+        if len(self.lr) != n:
+            raise ValueError(f"{len(self.lr)} inner step sizes for {n} tensors")
+        return self.lr
 
     def reset(self) -> None:
         self.count, self.m, self.v = 0, None, None
@@ -105,10 +123,11 @@ class InnerStep:
     @torch.no_grad()
     def __call__(self, tensors, gradients) -> list[torch.Tensor]:
         # New tensors every step: the surrogate can never alias the live parameters.
+        lrs = self._lrs(len(tensors))
         if self.kind == "sgd":
             return [
-                t.detach() - self.lr * gr if gr is not None else t.detach().clone()
-                for t, gr in zip(tensors, gradients, strict=True)
+                t.detach() - lr * gr if gr is not None else t.detach().clone()
+                for t, gr, lr in zip(tensors, gradients, lrs, strict=True)
             ]
         b1, b2 = self.betas
         self.count += 1
@@ -124,7 +143,7 @@ class InnerStep:
             self.m[i] = b1 * self.m[i] + (1 - b1) * g
             self.v[i] = b2 * self.v[i] + (1 - b2) * g * g
             step = (self.m[i] / c1) / ((self.v[i] / c2).sqrt() + self.eps)
-            out.append(t.detach() - self.lr * step)
+            out.append(t.detach() - lrs[i] * step)
         return out
 
 
@@ -142,6 +161,8 @@ def bilevel_gradients(
     keep_surrogate: bool = False,
     mean: GlobalMean | None = None,
     persistent: PersistentSurrogate | None = None,
+    joint_value: bool = False,
+    head_inner_lr: float | None = None,
 ) -> BilevelGradients:
     """The gradients of one CALM outer step, independent of what the model is.
 
@@ -162,6 +183,13 @@ def bilevel_gradients(
     (a loss's `count` attribute, e.g. `BatchLoss`): the inner steps, the residual, grad f and
     so lambda and the direction are the same on every rank and equal one process's on the
     concatenated batch.
+
+    `joint_value` (a departure from the paper): the value function minimises over the head
+    too, v = min over (theta', alpha') of g, so the surrogate is (theta~, alpha~) (alpha~ steps
+    at `head_inner_lr`, default `inner_lr`) and lower_loss takes theta + alpha surrogate
+    tensors. v no longer depends on alpha: the head's residual gradient is the training
+    cross-entropy's own slope, grad_alpha q = grad_alpha g(alpha, theta), which changes sign at
+    the cross-entropy-optimal head; the surrogate only measures q's value.
     """
     if inner_losses is None:
         if inner_steps < 1:
@@ -172,7 +200,16 @@ def bilevel_gradients(
         raise ConfigError("a surrogate needs at least one inner step")
     theta, alpha = list(theta), list(alpha)
     n_theta = len(theta)
-    step = InnerStep(inner_optimizer, inner_lr, betas) if persistent is None else persistent.step
+    # The inner problem's variables: theta (the paper), or theta and the head (joint value).
+    inner_vars = theta + alpha if joint_value else theta
+    n_inner = len(inner_vars)
+    if persistent is not None:
+        step = persistent.step
+    elif joint_value:
+        head_lr = inner_lr if head_inner_lr is None else head_inner_lr
+        step = InnerStep(inner_optimizer, [inner_lr] * n_theta + [head_lr] * len(alpha), betas)
+    else:
+        step = InnerStep(inner_optimizer, inner_lr, betas)
     # Pass 1 at theta, alpha live: grad_theta g is grad_theta q (and the first inner step's
     # gradient when that step is on this batch from theta); grad_alpha g(alpha, theta) is the
     # residual's first alpha term.
@@ -190,11 +227,12 @@ def bilevel_gradients(
         # theta~'s next inner step at once (theta~ is measured before it steps on this batch).
         stored = [t.detach().requires_grad_(True) for t in persistent.tensors]
         g_stored = lower_loss(stored, True)
-        both = torch.autograd.grad(g_stored, stored + alpha, allow_unused=True)
+        wrt = stored if joint_value else stored + alpha
+        both = torch.autograd.grad(g_stored, wrt, allow_unused=True)
         g_stored, both = mean.both(g_stored, both, _count(lower_loss))
         if float(g - g_stored) >= 0:  # theta~ is ahead of theta: it stands for L*(alpha)
-            measured = (g_stored, list(both[n_theta:]))
-            surrogate = step(stored, list(both[:n_theta]))
+            measured = (g_stored, None if joint_value else list(both[n_theta:]))
+            surrogate = step(stored, list(both[:n_inner]))
             for _ in range(len(inner_losses) - 1):
                 surrogate = _inner_step(step, surrogate, lower_loss, mean)
         else:  # fallen behind the live theta: re-synchronise (fresh inner moments)
@@ -204,23 +242,31 @@ def bilevel_gradients(
     if measured is None:
         if persistent is not None:
             persistent.step.reset()
-        surrogate = [t.detach() for t in theta]
+        surrogate = [t.detach() for t in inner_vars]
         for index, loss_fn in enumerate(inner_losses):
             if index == 0 and loss_fn is lower_loss:
-                step_grads = g_theta  # the shared pass
-                surrogate = step(surrogate, step_grads)
+                # the shared pass: pass 1's gradient is the first inner step's
+                surrogate = step(surrogate, g_theta + g_alpha if joint_value else g_theta)
             else:
                 surrogate = _inner_step(step, surrogate, loss_fn, mean)
-        g_surrogate = lower_loss(surrogate, False)
-        g_alpha_surrogate = (
-            torch.autograd.grad(g_surrogate, alpha, allow_unused=True) if alpha else ()
-        )
-        g_surrogate, g_alpha_surrogate = mean.both(
-            g_surrogate, g_alpha_surrogate, _count(lower_loss)
-        )
+        if joint_value:  # v's value only: it has no alpha-gradient
+            with torch.no_grad():
+                g_surrogate = mean.value(lower_loss(surrogate, False), _count(lower_loss))
+            g_alpha_surrogate = None
+        else:
+            g_surrogate = lower_loss(surrogate, False)
+            g_alpha_surrogate = (
+                torch.autograd.grad(g_surrogate, alpha, allow_unused=True) if alpha else ()
+            )
+            g_surrogate, g_alpha_surrogate = mean.both(
+                g_surrogate, g_alpha_surrogate, _count(lower_loss)
+            )
     else:
         g_surrogate, g_alpha_surrogate = measured
-    grad_q = g_theta + [_sub(a, b) for a, b in zip(g_alpha, g_alpha_surrogate, strict=True)]
+    if joint_value:
+        grad_q = g_theta + g_alpha
+    else:
+        grad_q = g_theta + [_sub(a, b) for a, b in zip(g_alpha, g_alpha_surrogate, strict=True)]
     if persistent is not None:
         persistent.tensors = [t.detach() for t in surrogate]
     kept = [t.detach() for t in surrogate] if keep_surrogate else None
@@ -331,6 +377,9 @@ class CALM(TrainingMethod):
         "surrogate.schedule": OneOf(SCHEDULES, required=True),
         "surrogate.steps": Number(minimum=1, integer=True),
         "residual_dropout": OneOf((True, False)),
+        "value_function": OneOf(VALUE_FUNCTIONS),
+        "lambda_blocks": OneOf(LAMBDA_BLOCKS),
+        "head_step": OneOf(HEAD_STEPS),
     }
 
     def __init__(
@@ -347,14 +396,22 @@ class CALM(TrainingMethod):
         inner_optimizer: str | None = None,
         surrogate: dict | None = None,
         residual_dropout: bool = False,
+        value_function: str = "lower",
+        lambda_blocks: str = "one",
+        head_step: str = "adamw",
         **kwargs,
     ) -> None:
         """`surrogate`: {schedule: per_step | amortized, steps: m inner steps per outer step
         (amortized)}. The schedule and the inner optimizer have no default here: their one
         default is `conf/method/calm.yaml`'s. `residual_dropout`: whether the lower-level
         passes that form q run with the adapters' dropout (off: q is not dropout noise).
-        `kwargs`: warmup_ratio, min_lr_ratio, betas, weight_decay (TrainingMethod) and the
-        shared evaluation options."""
+        `value_function`, `lambda_blocks`, `head_step`: the stopping-point variant's switches
+        (`method=calm_stop`; the defaults are the paper's form): `joint` minimises the value
+        function over the head too, `per_block` takes one lambda for the adapters and one for
+        the head, `sign` steps the head by sign descent (AdamW with betas 0: each entry moves by
+        the scheduled LR towards where its direction changes sign, with no momentum to carry
+        it past). `kwargs`: warmup_ratio, min_lr_ratio, betas, weight_decay (TrainingMethod)
+        and the shared evaluation options."""
         super().__init__(model, tokenizer, **kwargs)
         self.check_arguments(
             inner_steps=inner_steps,
@@ -367,6 +424,9 @@ class CALM(TrainingMethod):
             inner_optimizer=inner_optimizer,
             surrogate=surrogate,
             residual_dropout=residual_dropout,
+            value_function=value_function,
+            lambda_blocks=lambda_blocks,
+            head_step=head_step,
         )
         if model.head is None:
             raise ConfigError("CALM needs a logit-adjustment head: set method.head (vector|scalar)")
@@ -384,11 +444,14 @@ class CALM(TrainingMethod):
         self.clamp = float(clamp)
         self.upper_objective = upper_objective
         self.residual_dropout = bool(residual_dropout)
+        self.joint_value = value_function == "joint"
+        self.per_block_lambda = lambda_blocks == "per_block"
+        self.head_step = head_step
         # Resolved from the data in on_fit_start; these defaults serve direct (test) use.
         self.lower_mode = "vocab"
         # The amortized schedule's persistent theta~ (training state: goes into checkpoints).
         self.persistent = (
-            PersistentSurrogate(InnerStep(inner_optimizer, self.inner_lr, self.betas))
+            PersistentSurrogate(InnerStep(inner_optimizer, self._inner_lrs(), self.betas))
             if self.schedule == "amortized"
             else None
         )
@@ -405,10 +468,33 @@ class CALM(TrainingMethod):
     def _alpha(self) -> list[torch.nn.Parameter]:
         return list(self.model.head_parameters().values())
 
+    def _inner_lrs(self) -> float | list[float]:
+        """rho for every inner variable: the adapters' rho, and with the joint value function
+        the head's copy at the head's own LR (its outer step size)."""
+        if not self.joint_value:
+            return self.inner_lr
+        n_theta, n_alpha = len(self._theta()[1]), len(self._alpha())
+        return [self.inner_lr] * n_theta + [self.upper_lr] * n_alpha
+
+    def _surrogate_names(self) -> list[str]:
+        """Names of the surrogate's tensors (adapter names, then `head.<name>` when joint)."""
+        names, _ = self._theta()
+        if self.joint_value:
+            names = names + [f"head.{n}" for n in self.model.head_parameters()]
+        return names
+
     def configure_optimizers(self):
         _, theta = self._theta()
         opt_theta = self.adamw(theta, self.lower_lr)
-        opt_alpha = self.adamw(self._alpha(), self.upper_lr)
+        if self.head_step == "sign":
+            # AdamW with both betas 0 is sign descent (m = g, v = g^2: the step is
+            # lr * g / (|g| + eps)) with the same decoupled weight decay.
+            opt_alpha = torch.optim.AdamW(
+                self._alpha(), lr=self.upper_lr, betas=(0.0, 0.0), eps=1e-12,
+                weight_decay=self.weight_decay,
+            )  # fmt: skip
+        else:
+            opt_alpha = self.adamw(self._alpha(), self.upper_lr)
         factor = self.lr_factor_schedule()
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in (opt_theta, opt_alpha)]
         return [opt_theta, opt_alpha], schedulers
@@ -430,19 +516,30 @@ class CALM(TrainingMethod):
 
     # ----- objectives -----
     def lower_loss_fn(self, batch: dict, names: list[str]):
-        """g(alpha, .) on a training batch, optionally with surrogate adapter tensors."""
+        """g(alpha, .) on a training batch, optionally with surrogate adapter tensors (and,
+        after them, surrogate head tensors: the joint value function's alpha~)."""
         mode = self.lower_mode
+        head_names = list(self.model.head_parameters())
 
         def lower(surrogate: list[torch.Tensor] | None, track: bool) -> torch.Tensor:
-            params = dict(zip(names, surrogate, strict=True)) if surrogate is not None else None
+            params = head = None
+            if surrogate is not None:
+                params = dict(zip(names, surrogate[: len(names)], strict=True))
+                if len(surrogate) > len(names):
+                    head = dict(zip(head_names, surrogate[len(names) :], strict=True))
             with nullcontext() if track else torch.no_grad(), self._residual_dropout():
                 raw = self.model.raw_logits(
                     batch["input_ids"], batch["attention_mask"], params=params
                 )
             # The head stays outside no_grad: the alpha part of the residual needs its graph.
-            logits, targets = adjusted_predictions(
-                self.model, raw, batch["labels"], mode, self.option_ids
-            )
+            if head is None:
+                logits, targets = adjusted_predictions(
+                    self.model, raw, batch["labels"], mode, self.option_ids
+                )
+            else:
+                rows, targets = select_predictions(raw, batch["labels"], mode, self.option_ids)
+                ids = self.option_ids if mode == "options" else None
+                logits = torch.func.functional_call(self.model.head, head, (rows, ids))
             return cross_entropy(logits, targets)
 
         return BatchLoss(lower, objective_count(batch, mode))
@@ -497,6 +594,8 @@ class CALM(TrainingMethod):
             betas=self.betas,
             mean=GlobalMean(),
             persistent=self.persistent,
+            joint_value=self.joint_value,
+            head_inner_lr=self.upper_lr,
         )
         bad = first_non_finite(
             lower_loss=grads.g,
@@ -507,7 +606,8 @@ class CALM(TrainingMethod):
         )
         if bad:
             self.fail_non_finite(bad)
-        step = bome_direction(grads.grad_f, grads.grad_q, eta=self.eta)
+        blocks = (len(theta), len(alpha)) if self.per_block_lambda else None
+        step = bome_direction(grads.grad_f, grads.grad_q, eta=self.eta, blocks=blocks)
         if first_non_finite(direction=step.direction):
             self.fail_non_finite("update direction")
         for param, direction in zip(theta + alpha, step.direction, strict=True):
@@ -528,8 +628,7 @@ class CALM(TrainingMethod):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
         if self.persistent is not None:
-            names, _ = self._theta()
-            checkpoint["calm_surrogate"] = self.persistent.state(names)
+            checkpoint["calm_surrogate"] = self.persistent.state(self._surrogate_names())
         checkpoint["calm_history"] = list(self.history)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -537,8 +636,9 @@ class CALM(TrainingMethod):
         self.history = list(checkpoint.get("calm_history", []))
         stored = checkpoint.get("calm_surrogate")
         if self.persistent is not None and stored is not None:
-            names, theta = self._theta()
-            self.persistent.load_state(stored, theta, names)
+            _, theta = self._theta()
+            inner_vars = theta + self._alpha() if self.joint_value else theta
+            self.persistent.load_state(stored, inner_vars, self._surrogate_names())
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
         train, heldout = (batch["train"], batch["heldout"]) if "heldout" in batch else (batch,) * 2
@@ -558,7 +658,7 @@ class CALM(TrainingMethod):
             "calm/q": q,
             "calm/q_rel": q / max(abs(g), 1e-12),
             "calm/entropy": -grads.f.item(),
-            "calm/lambda": step.lam,
+            "calm/lambda": step.lam,  # the adapters' lambda when per block
             "calm/grad_f_norm": step.grad_f_norm,
             "calm/grad_q_norm": step.grad_q_norm,
             "calm/lr_lower": opt_theta.param_groups[0]["lr"],
@@ -569,9 +669,13 @@ class CALM(TrainingMethod):
         # What moves the head's d: the sums over its entries of the entropy term's gradient
         # and of the lambda-weighted residual term's (alpha = scale d, then bias l); a
         # positive value pushes d down, i.e. flattens the distribution.
+        if len(step.lambdas) > 1:
+            values["calm/lambda_head"] = step.lambdas[-1]
+        # (a log head's entry -2 is s = log d: its gradients have the same sign as d's)
         d_f, d_q = grads.grad_f[-2], grads.grad_q[-2]
         values["calm/d_grad_entropy"] = 0.0 if d_f is None else float(d_f.sum())
-        values["calm/d_grad_residual"] = 0.0 if d_q is None else step.lam * float(d_q.sum())
+        head_lambda = step.lambdas[-1] if step.lambdas else step.lam
+        values["calm/d_grad_residual"] = 0.0 if d_q is None else head_lambda * float(d_q.sum())
         if self.persistent is not None:
             values["calm/resyncs"] = float(self.persistent.resyncs)
         self.history.append({k.removeprefix("calm/"): v for k, v in values.items()})
@@ -615,7 +719,7 @@ STEP_SERIES = (
 def summarize_history(history: Sequence[dict[str, float]]) -> dict[str, float]:
     """What the outer steps did, in a few numbers (first / mean / last of the key series)."""
     out: dict[str, float] = {"outer_steps": float(len(history))}
-    for key in ("g", "q", "q_rel", "entropy", "lambda", "d_mean", "d_std"):
+    for key in ("g", "q", "q_rel", "entropy", "lambda", "lambda_head", "d_mean", "d_std"):
         values = [h[key] for h in history if key in h]
         if values:
             out[f"{key}_first"], out[f"{key}_last"] = values[0], values[-1]

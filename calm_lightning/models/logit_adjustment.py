@@ -5,6 +5,11 @@ learned temperature + bias, the paper's ablation). Init d = 1, l = 0 is the iden
 `center` != none, c is a per-position offset (logsumexp or mean of the logits) so that d acts
 like an inverse temperature rather than a per-token bias (raw logits at an answer position
 sit around 33 on the embedded model: a 0.01 change of d_y moves z'_y by ~0.3).
+
+`parameterization` = `log` trains s = log d instead of d (d = exp(s) > 0): an optimizer step
+of a given size changes d by a factor, not by an amount, so the travel from d = 1 to 1/k
+costs ln k whatever k is, and d can never cross 0 (a departure from the paper, which trains
+d itself; docs/calm.md, "CALM with a stopping point"). Saved files always hold d.
 """
 
 from __future__ import annotations
@@ -17,25 +22,51 @@ from torch import nn
 
 KINDS = ("vector", "scalar")
 CENTERS = ("none", "logsumexp", "mean")
+PARAMETERIZATIONS = ("linear", "log")
 HEAD_FILE = "logit_adjustment.safetensors"
 
 
 class LogitAdjustment(nn.Module):
     """Per-vocabulary (or scalar) affine adjustment of next-token logits."""
 
-    def __init__(self, vocab_size: int, kind: str = "vector", center: str = "none") -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        kind: str = "vector",
+        center: str = "none",
+        parameterization: str = "linear",
+    ) -> None:
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"head kind {kind!r} is not one of {KINDS}")
         if center not in CENTERS:
             raise ValueError(f"head center {center!r} is not one of {CENTERS}")
+        if parameterization not in PARAMETERIZATIONS:
+            raise ValueError(
+                f"head parameterization {parameterization!r} is not one of {PARAMETERIZATIONS}"
+            )
         self.vocab_size = int(vocab_size)
         self.kind = kind
         self.center = center
+        self.parameterization = parameterization
         size = self.vocab_size if kind == "vector" else 1
-        # fp32 whatever the LM's dtype: these are the calibration parameters themselves.
-        self.scale = nn.Parameter(torch.ones(size, dtype=torch.float32))  # d
+        # fp32 whatever the LM's dtype: these are the calibration parameters themselves. The
+        # scale comes first in `named_parameters` in both forms (logs read it as entry -2).
+        if parameterization == "log":
+            self.log_scale = nn.Parameter(torch.zeros(size, dtype=torch.float32))  # s = log d
+        else:
+            self.register_parameter("scale", nn.Parameter(torch.ones(size, dtype=torch.float32)))
         self.bias = nn.Parameter(torch.zeros(size, dtype=torch.float32))  # l
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """d: the parameter itself (`linear`) or exp(s) (`log`, a differentiable function of s;
+        writing into it changes nothing there)."""
+        if self.parameterization == "log":
+            return self.log_scale.exp()
+        if "scale" not in self._parameters:  # while __init__ registers it
+            raise AttributeError("scale")
+        return self._parameters["scale"]
 
     def forward(self, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Adjust logits of shape (..., V); with `token_ids`, return only those columns.
@@ -62,20 +93,26 @@ class LogitAdjustment(nn.Module):
         return torch.addcmul(bias, z, scale)
 
     def extra_repr(self) -> str:
-        return f"vocab_size={self.vocab_size}, kind={self.kind}, center={self.center}"
+        return (
+            f"vocab_size={self.vocab_size}, kind={self.kind}, center={self.center}, "
+            f"parameterization={self.parameterization}"
+        )
 
     def save(self, directory: str | Path) -> Path:
-        """Write the parameters and their shape/kind next to an adapter."""
+        """Write d and l and their shape/kind next to an adapter (d, not s, for a log head:
+        what the head computes is all an export or an evaluation needs)."""
         path = Path(directory) / HEAD_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"scale": self.scale.detach().cpu(), "bias": self.bias.detach().cpu()}
-        meta = {"vocab_size": str(self.vocab_size), "kind": self.kind, "center": self.center}
+        meta = {"vocab_size": str(self.vocab_size), "kind": self.kind, "center": self.center,
+                "parameterization": self.parameterization}  # fmt: skip
         save_file(tensors, str(path), metadata=meta)
         return path
 
     @classmethod
     def load(cls, directory: str | Path) -> LogitAdjustment:
-        """Rebuild a head saved by `save`, bit-identical."""
+        """Rebuild a head saved by `save`, bit-identical (as a `linear` head holding the saved d:
+        the parameterization only matters while training)."""
         path = Path(directory) / HEAD_FILE
         from safetensors import safe_open
 

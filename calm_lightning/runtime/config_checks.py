@@ -134,9 +134,13 @@ def evaluation_rules() -> dict:
 
 
 def head_rules() -> dict:
-    from calm_lightning.models.logit_adjustment import CENTERS, KINDS
+    from calm_lightning.models.logit_adjustment import CENTERS, KINDS, PARAMETERIZATIONS
 
-    return {"kind": OneOf(KINDS), "center": OneOf(CENTERS)}
+    return {
+        "kind": OneOf(KINDS),
+        "center": OneOf(CENTERS),
+        "parameterization": OneOf(PARAMETERIZATIONS),
+    }
 
 
 def check_config(cfg, method_cls, sources: dict) -> None:

@@ -1,0 +1,240 @@
+"""CALM with a stopping point (`method=calm_stop`): each switch against an independent
+computation, and the head's stop on a temperature problem whose answer scipy gives."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from scipy.optimize import minimize_scalar
+
+from calm_lightning.methods.bome import bome_direction
+from calm_lightning.methods.calm import CALM, bilevel_gradients
+from calm_lightning.methods.training import warmup_cosine
+from calm_lightning.models.calibrated_lm import CalibratedLM
+from calm_lightning.models.logit_adjustment import LogitAdjustment
+from calm_lightning.models.lora import wrap_with_lora
+
+# ----- log-space head -----
+
+
+def test_log_head_is_temperature_scaling_with_gradient_d_times_the_linear_one():
+    """d = exp(s); dCE/ds = d * dCE/dd, with dCE/dd = E_p[z] - z_y for CE of softmax(d z)."""
+    torch.manual_seed(0)
+    z = torch.randn(7, 5) * 3
+    y = torch.randint(0, 5, (7,))
+    head = LogitAdjustment(5, kind="scalar", parameterization="log")
+    with torch.no_grad():
+        head.log_scale.fill_(math.log(0.4))
+    torch.testing.assert_close(torch.softmax(head(z), -1), torch.softmax(0.4 * z, -1))
+    torch.nn.functional.cross_entropy(head(z), y).backward()
+    p = torch.softmax(0.4 * z, -1)
+    dce_dd = ((p * z).sum(-1) - z.gather(1, y[:, None]).squeeze(1)).mean()
+    assert head.log_scale.grad.item() == pytest.approx(0.4 * dce_dd.item(), rel=1e-5)
+    assert list(dict(head.named_parameters())) == ["log_scale", "bias"]
+
+
+def test_log_head_saves_d_and_loads_as_the_same_function(tmp_path):
+    head = LogitAdjustment(9, kind="vector", center="logsumexp", parameterization="log")
+    with torch.no_grad():
+        head.log_scale.normal_()
+        head.bias.normal_()
+    head.save(tmp_path)
+    loaded = LogitAdjustment.load(tmp_path)
+    assert loaded.parameterization == "linear"
+    z = torch.randn(3, 9) * 5
+    torch.testing.assert_close(loaded(z), head(z))
+
+
+# ----- per-block lambda -----
+
+
+def test_per_block_lambda_is_the_formula_on_each_block_alone():
+    torch.manual_seed(1)
+    f = [torch.randn(4, 3), torch.randn(5), torch.randn(1)]
+    q = [torch.randn(4, 3), torch.randn(5), torch.randn(1)]
+    step = bome_direction(f, q, eta=0.5, blocks=(2, 1))
+    for (start, stop), lam in zip(((0, 2), (2, 3)), step.lambdas, strict=True):
+        dot = sum(float((a * b).sum()) for a, b in zip(f[start:stop], q[start:stop], strict=True))
+        q_sq = sum(float(b.pow(2).sum()) for b in q[start:stop])
+        assert lam == pytest.approx(max(0.0, 0.5 - dot / (q_sq + 1e-8)), rel=1e-5, abs=1e-7)
+        for i in range(start, stop):
+            torch.testing.assert_close(step.direction[i], f[i] + lam * q[i])
+    whole = bome_direction(f, q, eta=0.5)
+    assert bome_direction(f, q, eta=0.5, blocks=(3,)).lambdas == whole.lambdas
+    with pytest.raises(ValueError, match="partition"):
+        bome_direction(f, q, blocks=(1, 1))
+
+
+def test_per_block_lambda_lets_a_small_block_brake_where_one_lambda_does_not():
+    """A big adapter block whose gradients agree outvotes the head's conflict under one lambda
+    (lambda = 0: the head follows the entropy alone); per block, the head's step is the
+    constraint's own descent eta * grad_q (its entropy part cancelled)."""
+    f = [torch.full((100,), 1.0), torch.tensor([2.0])]
+    q = [torch.full((100,), 1.0), torch.tensor([-0.5])]
+    one = bome_direction(f, q, eta=0.5)
+    assert one.lam == 0.0 and one.direction[1].item() == pytest.approx(2.0)
+    per = bome_direction(f, q, eta=0.5, blocks=(1, 1))
+    assert per.lambdas[1] == pytest.approx(0.5 + 2.0 / 0.5, rel=1e-6)
+    assert per.direction[1].item() == pytest.approx(0.5 * -0.5, rel=1e-5)
+
+
+# ----- joint value function on a temperature problem with a known optimum -----
+
+
+def _temperature_problem(k=4.0, n=1024, v=20, seed=0):
+    """Logits k * z whose targets are drawn from softmax(z): the cross-entropy-optimal
+    temperature on the head is about k. theta: an additive logit offset (it cannot undo a
+    temperature); alpha: the log-scale of a scalar head."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, v, generator=gen) * 2.0
+    y = torch.multinomial(torch.softmax(z, -1), 1, generator=gen).squeeze(1)
+    heldout = torch.randn(n, v, generator=gen) * 2.0
+    return k * z, y, k * heldout
+
+
+def _losses(logits, y, heldout, theta, s):
+    def lower(surrogate, track):  # surrogate: [theta~] or, joint, [theta~, s~]
+        t = theta if surrogate is None else surrogate[0]
+        a = s if surrogate is None or len(surrogate) == 1 else surrogate[1]
+        return torch.nn.functional.cross_entropy(a.exp() * logits + t, y)
+
+    def upper():
+        p = torch.log_softmax(s.exp() * heldout + theta, -1)
+        return (p.exp() * p).sum(-1).mean()  # - entropy
+
+    return lower, upper
+
+
+def _ce_optimal_log_scale(logits, y) -> float:
+    def ce(log_d):
+        return float(torch.nn.functional.cross_entropy(math.exp(log_d) * logits, y))
+
+    return minimize_scalar(ce, bounds=(-5, 2), method="bounded").x
+
+
+@pytest.mark.parametrize("start", [0.0, -2.5])  # d = 1 (over-confident), d = e^-2.5 (under)
+def test_joint_value_gives_the_head_the_cross_entropys_own_slope(start):
+    """Under the joint value function grad_alpha q = grad_alpha g(alpha, theta) whatever the
+    surrogate did, and its sign says on which side of scipy's CE-optimal head alpha is."""
+    logits, y, heldout = _temperature_problem()
+    best = _ce_optimal_log_scale(logits, y)
+    theta = torch.zeros(logits.shape[1], requires_grad=True)
+    s = torch.tensor([start], requires_grad=True)
+    lower, upper = _losses(logits, y, heldout, theta, s)
+    grads = bilevel_gradients(
+        [theta], [s], lower, upper, inner_steps=5, inner_lr=0.1, inner_optimizer="adam",
+        joint_value=True, head_inner_lr=0.1,
+    )  # fmt: skip
+    expected = torch.autograd.grad(lower(None, True), [s])[0]
+    torch.testing.assert_close(grads.grad_q[1], expected)
+    assert math.copysign(1.0, grads.grad_q[1].item()) == math.copysign(1.0, start - best)
+    # the surrogate stepped the head's copy too: q measures the joint inner drop
+    assert grads.q.item() > 0
+
+
+def _run_head(logits, y, heldout, lr, steps, *, variant: bool):
+    """The head alone (theta an offset that cannot change the temperature) under the
+    variant's switches or the paper's form; returns the final temperature 1 / d."""
+    theta = torch.zeros(logits.shape[1], requires_grad=True)
+    if variant:
+        s = torch.zeros(1, requires_grad=True)
+        opt = torch.optim.AdamW([s], lr=lr, betas=(0.0, 0.0), eps=1e-12, weight_decay=0.02)
+    else:
+        s = torch.ones(1, requires_grad=True)
+        opt = torch.optim.AdamW([s], lr=lr, betas=(0.9, 0.95), weight_decay=0.02)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, round(0.4 * steps), 0.0))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        rows = torch.randint(0, len(y), (64,), generator=gen)
+        losses = _losses if variant else _linear  # the paper's form trains d itself
+        lower, upper = losses(logits[rows], y[rows], heldout[rows], theta, s)
+        grads = bilevel_gradients(
+            [theta], [s], lower, upper, inner_steps=3, inner_lr=0.05, inner_optimizer="adam",
+            joint_value=variant, head_inner_lr=lr,
+        )  # fmt: skip
+        step = bome_direction(grads.grad_f, grads.grad_q, blocks=(1, 1) if variant else None)
+        s.grad = step.direction[1]
+        opt.step()
+        sched.step()
+    d = s.detach().exp() if variant else s.detach()
+    return 1.0 / float(d)
+
+
+def _linear(logits, y, heldout, theta, d):
+    def lower(surrogate, track):
+        t = theta if surrogate is None else surrogate[0]
+        return torch.nn.functional.cross_entropy(d * logits + t, y)
+
+    def upper():
+        p = torch.log_softmax(d * heldout + theta, -1)
+        return (p.exp() * p).sum(-1).mean()
+
+    return lower, upper
+
+
+def test_the_variants_head_stops_at_the_ce_optimum_whatever_its_budget():
+    """k = 4: the variant's head ends within 20 % of scipy's CE-optimal temperature at upper
+    LR 0.3 and 1 (12 steps) and at 0.3 over 48 steps; the paper's form at the same budgets
+    ends where LR x steps put it (spread far above 20 %)."""
+    logits, y, heldout = _temperature_problem(k=4.0)
+    optimum = math.exp(-_ce_optimal_log_scale(logits, y))
+    assert 3.0 < optimum < 5.0  # the known temperature, up to sampling
+    budgets = [(0.3, 12), (1.0, 12), (0.3, 48)]
+    variant = [_run_head(logits, y, heldout, lr, n, variant=True) for lr, n in budgets]
+    assert all(abs(t / optimum - 1) < 0.2 for t in variant), (optimum, variant)
+    paper = [_run_head(logits, y, heldout, lr, n, variant=False) for lr, n in [(0.03, 12),
+             (0.1, 12), (0.03, 48)]]  # fmt: skip
+    assert max(paper) / min(paper) > 1.5, paper
+
+
+# ----- the LightningModule with the switches -----
+
+
+def _tiny_stop(tiny_loaded, **kwargs) -> CALM:
+    lm = wrap_with_lora(copy.deepcopy(tiny_loaded.model), {"r": 4, "lora_alpha": 8})
+    head = LogitAdjustment(
+        lm.get_output_embeddings().weight.shape[0], kind="scalar", parameterization="log"
+    )
+    options = dict(
+        inner_steps=2, lower_lr=1e-2, upper_lr=0.3, warmup_ratio=0.0, inner_optimizer="adam",
+        surrogate={"schedule": "amortized", "steps": 1}, value_function="joint",
+        lambda_blocks="per_block", head_step="sign",
+    )  # fmt: skip
+    options.update(kwargs)
+    return CALM(CalibratedLM(lm, head), tiny_loaded.tokenizer, **options)
+
+
+def test_sign_head_step_moves_the_log_scale_by_the_lr(tiny_loaded, tmp_path):
+    """One outer step: s moves by exactly lr * sign(direction) (plus decoupled decay of a zero
+    s: nothing), the surrogate holds adapter and head copies, lambda_head is logged."""
+    from tests.test_calm import _datamodule, _trainer
+
+    module = _tiny_stop(tiny_loaded)
+    _trainer(tmp_path).fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    s = module.model.head.log_scale.detach()
+    assert abs(s.item()) == pytest.approx(0.3, rel=1e-6)
+    record = module.history[-1]
+    assert "lambda_head" in record and record["d_mean"] == pytest.approx(math.exp(s.item()))
+    n_theta = len(module.model.adapter_parameters())
+    assert len(module.persistent.tensors) == n_theta + 2
+    names = module._surrogate_names()
+    assert names[-2:] == ["head.log_scale", "head.bias"]
+
+
+def test_joint_surrogate_survives_a_checkpoint(tiny_loaded, tmp_path):
+    from tests.test_calm import _datamodule, _trainer
+
+    module = _tiny_stop(tiny_loaded)
+    trainer = _trainer(tmp_path, steps=2)
+    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    path = tmp_path / "c.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    assert list(checkpoint["calm_surrogate"]["tensors"])[-2:] == ["head.log_scale", "head.bias"]
+    restored = _tiny_stop(tiny_loaded)
+    restored.on_load_checkpoint(checkpoint)
+    for a, b in zip(module.persistent.tensors, restored.persistent.tensors, strict=True):
+        assert torch.equal(a, b)
