@@ -12,7 +12,7 @@ resumes: records already in the results file are skipped):
    runs give T_eff across a 10x upper-LR range (the head does not depend on the split scored);
 2. `main`: the chosen variant on the test split at k in KS, seed 0 first, with the paper form's
    per_step reproduction at k = 4 and the base / TS-OOD runs the paired bootstrap needs;
-3. `budget`: 48 outer steps (held-out split) against 12;
+3. `budget`: 48 outer steps (held-out split) against 12, and upper LR 3;
 4. `ablation`: at k = 4, seed 0, test split: the paper's form (scalar head, upper LR 0.1,
    amortized) with each switch alone, and the paper's vector head under the variant;
 5. `in_domain`: the variant at k = 4 on `setting=demo_id`;
@@ -138,7 +138,10 @@ class Study:
                 self.run(4.0, "demo", 0, "test", "paper", "per_step", PAPER)
 
     def budget(self, lr: float) -> None:
-        self.run(4.0, "demo", 0, "heldout", VARIANT, None, variant_overrides(lr, LONG))
+        """The chosen LR over 48 steps; the grid's bottom (whose 12 steps cannot travel ln 4)
+        over 48; and 3x the grid's top, so the upper LR spans 10x above the bottom."""
+        for upper, steps in ((lr, LONG), (min(UPPER_LRS), LONG), (3 * max(UPPER_LRS), 12)):
+            self.run(4.0, "demo", 0, "heldout", VARIANT, None, variant_overrides(upper, steps))
 
     def ablation(self, lr: float) -> None:
         paper = {**PAPER, "method.module.surrogate.schedule": "amortized"}

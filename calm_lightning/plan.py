@@ -32,6 +32,7 @@ from calm_lightning.errors import CalmLightningError, ConfigError
 PAPER_CALM_VS_REG = 3.4  # CALM paper, Table 10: CALM epoch / Regularization epoch
 # Methods whose training step is one pass of a single-level loss, like Regularization's.
 SINGLE_LEVEL = {"reg", "ls", "cft"}
+CALM_METHODS = {"calm", "calm_stop"}  # the bilevel presets (one LightningModule, calm.py)
 _RECORDER = """#!{python}
 import json, os, sys
 with open(os.environ["CALM_PLAN_LOG"], "a") as log:
@@ -175,7 +176,7 @@ def describe(overrides: list[str]) -> Job:
         job.train_steps = int(epochs) * per_epoch
         if int(trainer.get("max_steps", -1)) > 0:
             job.train_steps = min(job.train_steps, int(trainer.max_steps))
-    if job.method == "calm":
+    if job.method in CALM_METHODS:
         job.schedule = str(select(cfg, "method.module.surrogate.schedule", default="per_step"))
         job.inner_steps = int(module.get("inner_steps", 1))
         job.surrogate_steps = int(select(cfg, "method.module.surrogate.steps", default=1))
@@ -203,7 +204,7 @@ def train_step_cost(job: Job, costs: dict) -> tuple[float, float, str] | None:
         # on a held-out batch (its backward runs through the head only).
         seconds = plain["step_s"] + forward["step_s"] / job.lower_steps
         return seconds, plain["peak_mb"], "composed (plain step + forward / lower_steps)"
-    if job.method == "calm":
+    if job.method in CALM_METHODS:
         return _calm_step_cost(job, costs)
     return None
 
@@ -249,7 +250,7 @@ def estimate(job: Job, costs: dict) -> dict:
             if peak is not None:
                 loaded = _step(costs, "plain")["loaded_mb"]
                 out["peak_mb"] = loaded + (peak - loaded) * scale
-            if job.method == "calm":
+            if job.method in CALM_METHODS:
                 reg = _step(costs, "reg")
                 if reg:
                     out["paper_train_s"] = job.train_steps * PAPER_CALM_VS_REG * reg["step_s"]

@@ -68,7 +68,11 @@ def test_method_files_hold_only_keys_the_code_reads(path):
 
 def test_method_setting_files_set_only_keys_the_code_reads():
     for path in sorted((CONF / "method_setting").glob("*.yaml")):
-        method = next(m for m in METHOD_FILES if path.stem.startswith(f"{m.stem}_"))
+        # the longest method name that prefixes the file (calm_stop_demo is calm_stop's)
+        method = max(
+            (m for m in METHOD_FILES if path.stem.startswith(f"{m.stem}_")),
+            key=lambda m: len(m.stem),
+        )
         setting = path.stem[len(method.stem) + 1 :]
         assert (CONF / "setting" / f"{setting}.yaml").is_file(), path.name
         node, cls = _method(method)

@@ -8,11 +8,9 @@ import math
 
 import pytest
 import torch
-from scipy.optimize import minimize_scalar
 
 from calm_lightning.methods.bome import bome_direction
 from calm_lightning.methods.calm import CALM, bilevel_gradients
-from calm_lightning.methods.training import warmup_cosine
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
 from calm_lightning.models.lora import wrap_with_lora
@@ -84,46 +82,28 @@ def test_per_block_lambda_lets_a_small_block_brake_where_one_lambda_does_not():
 # ----- joint value function on a temperature problem with a known optimum -----
 
 
-def _temperature_problem(k=4.0, n=1024, v=20, seed=0):
-    """Logits k * z whose targets are drawn from softmax(z): the cross-entropy-optimal
-    temperature on the head is about k. theta: an additive logit offset (it cannot undo a
-    temperature); alpha: the log-scale of a scalar head."""
-    gen = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, v, generator=gen) * 2.0
-    y = torch.multinomial(torch.softmax(z, -1), 1, generator=gen).squeeze(1)
-    heldout = torch.randn(n, v, generator=gen) * 2.0
-    return k * z, y, k * heldout
+def _toy():
+    """benchmarks/calm_stop_toy.py: the synthetic temperature problem and its head loop."""
+    import importlib.util
+    from pathlib import Path
 
-
-def _losses(logits, y, heldout, theta, s):
-    def lower(surrogate, track):  # surrogate: [theta~] or, joint, [theta~, s~]
-        t = theta if surrogate is None else surrogate[0]
-        a = s if surrogate is None or len(surrogate) == 1 else surrogate[1]
-        return torch.nn.functional.cross_entropy(a.exp() * logits + t, y)
-
-    def upper():
-        p = torch.log_softmax(s.exp() * heldout + theta, -1)
-        return (p.exp() * p).sum(-1).mean()  # - entropy
-
-    return lower, upper
-
-
-def _ce_optimal_log_scale(logits, y) -> float:
-    def ce(log_d):
-        return float(torch.nn.functional.cross_entropy(math.exp(log_d) * logits, y))
-
-    return minimize_scalar(ce, bounds=(-5, 2), method="bounded").x
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "calm_stop_toy.py"
+    spec = importlib.util.spec_from_file_location("calm_stop_toy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("start", [0.0, -2.5])  # d = 1 (over-confident), d = e^-2.5 (under)
 def test_joint_value_gives_the_head_the_cross_entropys_own_slope(start):
     """Under the joint value function grad_alpha q = grad_alpha g(alpha, theta) whatever the
     surrogate did, and its sign says on which side of scipy's CE-optimal head alpha is."""
-    logits, y, heldout = _temperature_problem()
-    best = _ce_optimal_log_scale(logits, y)
+    toy = _toy()
+    logits, y, heldout = toy.temperature_problem()
+    best = -math.log(toy.ce_optimal_temperature(logits, y))  # log d at the optimum
     theta = torch.zeros(logits.shape[1], requires_grad=True)
     s = torch.tensor([start], requires_grad=True)
-    lower, upper = _losses(logits, y, heldout, theta, s)
+    lower, upper = toy.head_losses(logits, y, heldout, theta, s, log=True)
     grads = bilevel_gradients(
         [theta], [s], lower, upper, inner_steps=5, inner_lr=0.1, inner_optimizer="adam",
         joint_value=True, head_inner_lr=0.1,
@@ -135,59 +115,23 @@ def test_joint_value_gives_the_head_the_cross_entropys_own_slope(start):
     assert grads.q.item() > 0
 
 
-def _run_head(logits, y, heldout, lr, steps, *, variant: bool):
-    """The head alone (theta an offset that cannot change the temperature) under the
-    variant's switches or the paper's form; returns the final temperature 1 / d."""
-    theta = torch.zeros(logits.shape[1], requires_grad=True)
-    if variant:
-        s = torch.zeros(1, requires_grad=True)
-        opt = torch.optim.AdamW([s], lr=lr, betas=(0.0, 0.0), eps=1e-12, weight_decay=0.02)
-    else:
-        s = torch.ones(1, requires_grad=True)
-        opt = torch.optim.AdamW([s], lr=lr, betas=(0.9, 0.95), weight_decay=0.02)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, round(0.4 * steps), 0.0))
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        rows = torch.randint(0, len(y), (64,), generator=gen)
-        losses = _losses if variant else _linear  # the paper's form trains d itself
-        lower, upper = losses(logits[rows], y[rows], heldout[rows], theta, s)
-        grads = bilevel_gradients(
-            [theta], [s], lower, upper, inner_steps=3, inner_lr=0.05, inner_optimizer="adam",
-            joint_value=variant, head_inner_lr=lr,
-        )  # fmt: skip
-        step = bome_direction(grads.grad_f, grads.grad_q, blocks=(1, 1) if variant else None)
-        s.grad = step.direction[1]
-        opt.step()
-        sched.step()
-    d = s.detach().exp() if variant else s.detach()
-    return 1.0 / float(d)
-
-
-def _linear(logits, y, heldout, theta, d):
-    def lower(surrogate, track):
-        t = theta if surrogate is None else surrogate[0]
-        return torch.nn.functional.cross_entropy(d * logits + t, y)
-
-    def upper():
-        p = torch.log_softmax(d * heldout + theta, -1)
-        return (p.exp() * p).sum(-1).mean()
-
-    return lower, upper
-
-
 def test_the_variants_head_stops_at_the_ce_optimum_whatever_its_budget():
     """k = 4: the variant's head ends within 20 % of scipy's CE-optimal temperature at upper
     LR 0.3 and 1 (12 steps) and at 0.3 over 48 steps; the paper's form at the same budgets
-    ends where LR x steps put it (spread far above 20 %)."""
-    logits, y, heldout = _temperature_problem(k=4.0)
-    optimum = math.exp(-_ce_optimal_log_scale(logits, y))
+    ends where LR x steps put it (spread far above 20 %); the variant with AdamW's momentum
+    for the head overshoots at the larger LR."""
+    toy = _toy()
+    problem = toy.temperature_problem(k=4.0)
+    optimum = toy.ce_optimal_temperature(*problem[:2])
     assert 3.0 < optimum < 5.0  # the known temperature, up to sampling
     budgets = [(0.3, 12), (1.0, 12), (0.3, 48)]
-    variant = [_run_head(logits, y, heldout, lr, n, variant=True) for lr, n in budgets]
+    variant = [toy.final_temperature(problem, lr, n, toy.VARIANT) for lr, n in budgets]
     assert all(abs(t / optimum - 1) < 0.2 for t in variant), (optimum, variant)
-    paper = [_run_head(logits, y, heldout, lr, n, variant=False) for lr, n in [(0.03, 12),
-             (0.1, 12), (0.03, 48)]]  # fmt: skip
+    paper_budgets = [(0.03, 12), (0.1, 12), (0.03, 48)]
+    paper = [toy.final_temperature(problem, lr, n, toy.PAPER) for lr, n in paper_budgets]
     assert max(paper) / min(paper) > 1.5, paper
+    momentum = {**toy.VARIANT, "sign": False}
+    assert toy.final_temperature(problem, 1.0, 12, momentum) > 2 * optimum
 
 
 # ----- the LightningModule with the switches -----

@@ -104,7 +104,7 @@ def picked_view(choices: list[Choice], ids: dict[Path, str], entity, project, na
             is_open=True,
         )
     ]
-    if any(c.method == "calm" for c in choices):
+    if any(c.method in ("calm", "calm_stop") for c in choices):
         from calm_lightning.methods.calm import STEP_SERIES  # (torch: only when CALM ran)
 
         series = [wr.LinePlot(title=s.split("/")[-1], x="Step", y=[s]) for s in STEP_SERIES]

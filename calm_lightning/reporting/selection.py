@@ -102,6 +102,7 @@ METHOD_ORDER = [
     "iterate",
     "cft",
     "calm",
+    "calm_stop",
     "elicitation",
     "cape",
     "ic",
