@@ -15,6 +15,7 @@ resumes: records already in the results file are skipped):
 3. `budget`: 48 outer steps (held-out split) against 12, and upper LR 3;
 4. `ablation`: at k = 4, seed 0, test split: the paper's form (scalar head, upper LR 0.1,
    amortized) with each switch alone, and the paper's vector head under the variant;
+   `leave_one_out` (last): the variant with each switch back at the paper's value;
 5. `in_domain`: the variant at k = 4 on `setting=demo_id`;
 6. `seeds`: seeds 1 and 2 of every k.
 
@@ -57,7 +58,14 @@ ABLATION = {
     "per_block_lambda": {"method.module.lambda_blocks": "per_block"},
     "sign_step": {"method.module.head_step": "sign"},
 }
-STAGES = ("select", "main", "budget", "ablation", "in_domain", "seeds")
+# The variant with each switch turned back to the paper's value (at the variant's upper LR).
+LEAVE_ONE_OUT = {
+    "without_log_head": {"method.head.parameterization": "linear"},
+    "without_joint_value": {"method.module.value_function": "lower"},
+    "without_per_block_lambda": {"method.module.lambda_blocks": "one"},
+    "without_sign_step": {"method.module.head_step": "adamw"},
+}
+STAGES = ("select", "main", "budget", "ablation", "in_domain", "seeds", "leave_one_out")
 
 
 def outer_steps(overrides: dict) -> int:
@@ -140,7 +148,7 @@ class Study:
     def budget(self, lr: float) -> None:
         """The chosen LR over 48 steps; the grid's bottom (whose 12 steps cannot travel ln 4)
         over 48; and 3x the grid's top, so the upper LR spans 10x above the bottom."""
-        for upper, steps in ((lr, LONG), (min(UPPER_LRS), LONG), (3 * max(UPPER_LRS), 12)):
+        for upper, steps in ((lr, LONG), (3 * max(UPPER_LRS), 12), (min(UPPER_LRS), LONG)):
             self.run(4.0, "demo", 0, "heldout", VARIANT, None, variant_overrides(upper, steps))
 
     def ablation(self, lr: float) -> None:
@@ -149,6 +157,10 @@ class Study:
             self.run(4.0, "demo", 0, "test", "paper", label, {**paper, **switch})
         vector = {**variant_overrides(lr), "method.head.kind": "vector"}
         self.run(4.0, "demo", 0, "test", VARIANT, "vector_head", vector)
+
+    def leave_one_out(self, lr: float) -> None:
+        for label, switch in LEAVE_ONE_OUT.items():
+            self.run(4.0, "demo", 0, "test", VARIANT, label, {**variant_overrides(lr), **switch})
 
     def in_domain(self, lr: float) -> None:
         self.run(4.0, "demo_id", 0, "test", VARIANT, None, variant_overrides(lr))
@@ -206,6 +218,8 @@ def render(results: Path, table: Path) -> None:
                 (f"{VARIANT}", mine(VARIANT))]  # fmt: skip
         rows += [(f"ablation: paper form + {label}", mine("paper", label)) for label in ABLATION]
         rows.append((f"ablation: {VARIANT} with the vector head", mine(VARIANT, "vector_head")))
+        rows += [(f"{VARIANT} {label.replace('_', ' ')}", mine(VARIANT, label))
+                 for label in LEAVE_ONE_OUT]  # fmt: skip
         lines += [_row(name, k, setting, rs, base_ece) for name, rs in rows if rs]
     lines += ["", "## Budget: T_eff at k = 4 (held-out split, seed 0; the head does not depend on "
               "the split scored)", "",
@@ -305,6 +319,10 @@ def figure(records: list[dict], path: Path) -> None:
                 ax.plot(x, y, style, marker=marker, color=colour,
                         label=f"{'paper form (scalar)' if variant == 'paper' else variant}, "
                               f"{steps} steps")  # fmt: skip
+    for r in budget:  # d crossed 0: no temperature (uniform outputs)
+        if r["effective_temperature"] is None:
+            ax.annotate(f"{r['variant']} at {r['upper_lr']}: d < 0", (r["upper_lr"], 1.0),
+                        fontsize=6, ha="center")  # fmt: skip
     ax.axhline(4.0, linestyle="--", color="grey", linewidth=0.8, label="known (T = k = 4)")
     ax.set_xscale("log")
     ax.set_xlabel("upper LR", fontsize=8)
@@ -369,6 +387,8 @@ def main() -> None:
             runner.in_domain(lr)
         if "seeds" in args.stages:
             runner.main(lr, seeds=(1, 2))
+        if "leave_one_out" in args.stages:
+            runner.leave_one_out(lr)
     render(results, table)
 
 
