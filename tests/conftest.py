@@ -155,3 +155,32 @@ def tiny_loaded():
 @pytest.fixture(scope="session")
 def tokenizer(tiny_loaded):
     return tiny_loaded.tokenizer
+
+
+@pytest.fixture
+def fit_on_demo(tokenizer, tmp_path):
+    """fit(module, steps=1) -> trainer: a CPU Lightning fit of `steps` batches of 2 on the
+    demo instructions (train and held-out, 8 rows each), no logger, no checkpoints."""
+    import lightning as L
+
+    from calm_lightning.data.datamodule import CalibrationDataModule
+    from calm_lightning.data.sources import EmbeddedDemoSource
+
+    def fit(module, steps: int = 1):
+        datamodule = CalibrationDataModule(
+            tokenizer,
+            train=EmbeddedDemoSource("instruction", "train", limit=8),
+            heldout=EmbeddedDemoSource("instruction", "heldout", limit=8),
+            test=EmbeddedDemoSource("mcqa", "test", limit=8),
+            batch_size=2,
+            max_length=96,
+        )
+        trainer = L.Trainer(
+            max_epochs=1, limit_train_batches=steps, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+            accelerator="cpu",
+        )  # fmt: skip
+        trainer.fit(module, datamodule=datamodule)
+        return trainer
+
+    return fit

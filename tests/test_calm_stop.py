@@ -151,13 +151,11 @@ def _tiny_stop(tiny_loaded, **kwargs) -> CALM:
     return CALM(CalibratedLM(lm, head), tiny_loaded.tokenizer, **options)
 
 
-def test_sign_head_step_moves_the_log_scale_by_the_lr(tiny_loaded, tmp_path):
+def test_sign_head_step_moves_the_log_scale_by_the_lr(tiny_loaded, fit_on_demo):
     """One outer step: s moves by exactly lr * sign(direction) (plus decoupled decay of a zero
     s: nothing), the surrogate holds adapter and head copies, lambda_head is logged."""
-    from tests.test_calm import _datamodule, _trainer
-
     module = _tiny_stop(tiny_loaded)
-    _trainer(tmp_path).fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    fit_on_demo(module)
     s = module.model.head.log_scale.detach()
     assert abs(s.item()) == pytest.approx(0.3, rel=1e-6)
     record = module.history[-1]
@@ -168,12 +166,9 @@ def test_sign_head_step_moves_the_log_scale_by_the_lr(tiny_loaded, tmp_path):
     assert names[-2:] == ["head.log_scale", "head.bias"]
 
 
-def test_joint_surrogate_survives_a_checkpoint(tiny_loaded, tmp_path):
-    from tests.test_calm import _datamodule, _trainer
-
+def test_joint_surrogate_survives_a_checkpoint(tiny_loaded, fit_on_demo, tmp_path):
     module = _tiny_stop(tiny_loaded)
-    trainer = _trainer(tmp_path, steps=2)
-    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    trainer = fit_on_demo(module, steps=2)
     path = tmp_path / "c.ckpt"
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
