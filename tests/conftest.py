@@ -158,16 +158,14 @@ def tokenizer(tiny_loaded):
 
 
 @pytest.fixture
-def fit_on_demo(tokenizer, tmp_path):
-    """fit(module, steps=1) -> trainer: a CPU Lightning fit of `steps` batches of 2 on the
-    demo instructions (train and held-out, 8 rows each), no logger, no checkpoints."""
-    import lightning as L
-
+def demo_datamodule():
+    """datamodule(tokenizer): batches of 2 from 8 demo instructions (train and held-out) and 8
+    demo MCQA test questions, sequences <= 96 tokens."""
     from calm_lightning.data.datamodule import CalibrationDataModule
     from calm_lightning.data.sources import EmbeddedDemoSource
 
-    def fit(module, steps: int = 1):
-        datamodule = CalibrationDataModule(
+    def build(tokenizer):
+        return CalibrationDataModule(
             tokenizer,
             train=EmbeddedDemoSource("instruction", "train", limit=8),
             heldout=EmbeddedDemoSource("instruction", "heldout", limit=8),
@@ -175,12 +173,23 @@ def fit_on_demo(tokenizer, tmp_path):
             batch_size=2,
             max_length=96,
         )
+
+    return build
+
+
+@pytest.fixture
+def fit_on_demo(demo_datamodule, tokenizer, tmp_path):
+    """fit(module, steps=1) -> trainer: a CPU Lightning fit of `steps` batches of
+    `demo_datamodule`, no logger, no checkpoints."""
+    import lightning as L
+
+    def fit(module, steps: int = 1):
         trainer = L.Trainer(
             max_epochs=1, limit_train_batches=steps, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
             accelerator="cpu",
         )  # fmt: skip
-        trainer.fit(module, datamodule=datamodule)
+        trainer.fit(module, datamodule=demo_datamodule(tokenizer))
         return trainer
 
     return fit

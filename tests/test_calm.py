@@ -8,8 +8,6 @@ import copy
 import pytest
 import torch
 
-from calm_lightning.data.datamodule import CalibrationDataModule
-from calm_lightning.data.sources import EmbeddedDemoSource
 from calm_lightning.methods.bome import bome_direction
 from calm_lightning.methods.calm import CALM, STEP_SERIES, bilevel_gradients
 from calm_lightning.methods.training import NonFiniteError, warmup_cosine
@@ -156,17 +154,6 @@ def _tiny_calm(tiny_loaded, head_kind="vector", **kwargs) -> CALM:
     return CALM(CalibratedLM(lm, head), tiny_loaded.tokenizer, **options)
 
 
-def _datamodule(tokenizer) -> CalibrationDataModule:
-    return CalibrationDataModule(
-        tokenizer,
-        train=EmbeddedDemoSource("instruction", "train", limit=8),
-        heldout=EmbeddedDemoSource("instruction", "heldout", limit=8),
-        test=EmbeddedDemoSource("mcqa", "test", limit=8),
-        batch_size=2,
-        max_length=96,
-    )
-
-
 def _trainer(tmp_path, steps=1):
     import lightning as L
 
@@ -186,10 +173,12 @@ def _snapshot(module: CALM) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
-def test_one_outer_step_updates_adapter_and_head_within_the_clamp(tiny_loaded, tmp_path):
+def test_one_outer_step_updates_adapter_and_head_within_the_clamp(
+    demo_datamodule, tiny_loaded, tmp_path
+):
     module = _tiny_calm(tiny_loaded, clamp=0.05)
     before = _snapshot(module)
-    _trainer(tmp_path).fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    _trainer(tmp_path).fit(module, datamodule=demo_datamodule(tiny_loaded.tokenizer))
     after = _snapshot(module)
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert any("lora_A" in n for n in changed) and any("lora_B" in n for n in changed)
@@ -199,9 +188,9 @@ def test_one_outer_step_updates_adapter_and_head_within_the_clamp(tiny_loaded, t
     assert module.outer_step == 1
 
 
-def test_surrogate_loop_never_touches_the_live_parameters(tiny_loaded):
+def test_surrogate_loop_never_touches_the_live_parameters(demo_datamodule, tiny_loaded):
     module = _tiny_calm(tiny_loaded, inner_steps=3)
-    datamodule = _datamodule(tiny_loaded.tokenizer)
+    datamodule = demo_datamodule(tiny_loaded.tokenizer)
     datamodule.setup("fit")
     batch, _, _ = next(iter(datamodule.train_dataloader()))  # CombinedLoader yields triples
     module.upper_objective = "vocab"
@@ -233,9 +222,9 @@ def test_identity_head_reproduces_the_plain_model(tiny_loaded):
     torch.testing.assert_close(adjusted, plain)
 
 
-def test_scalar_head_keeps_the_argmax_after_training(tiny_loaded, tmp_path):
+def test_scalar_head_keeps_the_argmax_after_training(demo_datamodule, tiny_loaded, tmp_path):
     module = _tiny_calm(tiny_loaded, head_kind="scalar", upper_lr=0.05)
-    _trainer(tmp_path, steps=2).fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    _trainer(tmp_path, steps=2).fit(module, datamodule=demo_datamodule(tiny_loaded.tokenizer))
     head = module.model.head
     assert head.scale.numel() == 1 and head.scale.item() != 1.0 and head.scale.item() > 0
     z = torch.randn(16, head.vocab_size) * 5
@@ -243,7 +232,9 @@ def test_scalar_head_keeps_the_argmax_after_training(tiny_loaded, tmp_path):
         assert torch.equal(head(z).argmax(-1), z.argmax(-1))
 
 
-def test_non_finite_objective_stops_with_step_and_quantity(tiny_loaded, tmp_path, monkeypatch):
+def test_non_finite_objective_stops_with_step_and_quantity(
+    demo_datamodule, tiny_loaded, tmp_path, monkeypatch
+):
     module = _tiny_calm(tiny_loaded)
     original = module.upper_loss_fn
 
@@ -254,16 +245,18 @@ def test_non_finite_objective_stops_with_step_and_quantity(tiny_loaded, tmp_path
     monkeypatch.setattr(module, "upper_loss_fn", poisoned)
     before = _snapshot(module)
     with pytest.raises(NonFiniteError, match="CALM step 0: entropy_objective is not finite"):
-        _trainer(tmp_path).fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+        _trainer(tmp_path).fit(module, datamodule=demo_datamodule(tiny_loaded.tokenizer))
     assert (tmp_path / "checkpoints" / "last-good.ckpt").is_file()
     after = _snapshot(module)
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
-def test_checkpoint_holds_only_trainable_tensors_and_the_outer_step(tiny_loaded, tmp_path):
+def test_checkpoint_holds_only_trainable_tensors_and_the_outer_step(
+    demo_datamodule, tiny_loaded, tmp_path
+):
     module = _tiny_calm(tiny_loaded)
     trainer = _trainer(tmp_path)
-    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    trainer.fit(module, datamodule=demo_datamodule(tiny_loaded.tokenizer))
     path = tmp_path / "c.ckpt"
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
@@ -377,8 +370,7 @@ def test_a_persistent_surrogate_behind_theta_is_resynchronised():
     assert grads.q.item() > 0 and persistent.step.count == 1
 
 
-def _train_batches(tokenizer, n: int) -> list[dict]:
-    datamodule = _datamodule(tokenizer)
+def _train_batches(datamodule, n: int) -> list[dict]:
     datamodule.setup("fit")
     batches = [b for b, _, _ in datamodule.train_dataloader()]
     return batches[:n]
@@ -398,11 +390,13 @@ def _run_outer_steps(module: CALM, batches: list[dict], feed=None) -> list:
     return out
 
 
-def test_amortized_first_step_with_m_equal_t_is_the_per_step_estimator(tiny_loaded):
+def test_amortized_first_step_with_m_equal_t_is_the_per_step_estimator(
+    demo_datamodule, tiny_loaded
+):
     """Before theta~ exists, the amortized schedule fits it from theta on this batch: with
     m = T steps its first outer step is exactly per_step's; later steps start from the stored
     theta~ instead, and so differ."""
-    batches = _train_batches(tiny_loaded.tokenizer, 3)
+    batches = _train_batches(demo_datamodule(tiny_loaded.tokenizer), 3)
     torch.manual_seed(0)  # the same LoRA initialisation for both
     per_step = _tiny_calm(tiny_loaded, inner_steps=3, lower_lr=0.05)
     torch.manual_seed(0)
@@ -421,10 +415,10 @@ def test_amortized_first_step_with_m_equal_t_is_the_per_step_estimator(tiny_load
     assert later_p[0][0].q.item() != pytest.approx(later_a[0][0].q.item(), rel=1e-6)
 
 
-def test_amortized_surrogate_keeps_descending_and_never_aliases_theta(tiny_loaded):
+def test_amortized_surrogate_keeps_descending_and_never_aliases_theta(demo_datamodule, tiny_loaded):
     """The persistent theta~ moves at every outer step (never frozen), stays separate tensors
     from the live adapters, and g(theta~) on a step's batch is the stored tensors' loss."""
-    batches = _train_batches(tiny_loaded.tokenizer, 4)
+    batches = _train_batches(demo_datamodule(tiny_loaded.tokenizer), 4)
     module = _tiny_calm(
         tiny_loaded, inner_steps=2, lower_lr=1e-3, inner_lr=0.2,
         surrogate={"schedule": "amortized", "steps": 1},
@@ -451,10 +445,10 @@ def test_amortized_surrogate_keeps_descending_and_never_aliases_theta(tiny_loade
     assert all(grads.q.item() >= 0 for grads, _ in results)  # ahead, or re-synced
 
 
-def test_residual_passes_run_without_dropout_unless_asked(tiny_loaded):
+def test_residual_passes_run_without_dropout_unless_asked(demo_datamodule, tiny_loaded):
     """LoRA dropout 0.5, train mode: the lower loss is deterministic when residual_dropout is
     off (q measures the inner steps) and differs between two calls when it is on."""
-    batch = _train_batches(tiny_loaded.tokenizer, 1)[0]["train"]
+    batch = _train_batches(demo_datamodule(tiny_loaded.tokenizer), 1)[0]["train"]
     values = {}
     for flag in (False, True):
         lm = wrap_with_lora(
@@ -479,7 +473,7 @@ def test_residual_passes_run_without_dropout_unless_asked(tiny_loaded):
     assert values[True][0] != values[True][1]
 
 
-def test_inner_drop_is_g_theta_minus_g_surrogate_by_hand(tiny_loaded, tmp_path):
+def test_inner_drop_is_g_theta_minus_g_surrogate_by_hand(demo_datamodule, tiny_loaded, tmp_path):
     """per_step: the logged residual q is g(theta) - g(theta~) with theta~ after T SGD steps
     of size inner_lr (not lower_lr) on the step's batch, computed here by hand."""
     import lightning as L
@@ -507,7 +501,7 @@ def test_inner_drop_is_g_theta_minus_g_surrogate_by_hand(tiny_loaded, tmp_path):
         accelerator="cpu", callbacks=[Capture()],
     )  # fmt: skip
     head = {k: v.detach().clone() for k, v in module.model.head.state_dict().items()}
-    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    trainer.fit(module, datamodule=demo_datamodule(tiny_loaded.tokenizer))
     # The series the sweep dashboard plots for the picked run are among those logged.
     assert set(STEP_SERIES) <= captured["logged"]
     module.model.head.load_state_dict(head)  # alpha as it was during the step
@@ -532,11 +526,11 @@ def test_inner_drop_is_g_theta_minus_g_surrogate_by_hand(tiny_loaded, tmp_path):
     assert expected.item() > 1e-3  # inner_lr 0.5 moved the surrogate (1e-3 would barely)
 
 
-def test_amortized_surrogate_goes_into_the_checkpoint(tiny_loaded, tmp_path):
+def test_amortized_surrogate_goes_into_the_checkpoint(demo_datamodule, tiny_loaded, tmp_path):
     amortized = {"schedule": "amortized", "steps": 1}
     module = _tiny_calm(tiny_loaded, inner_optimizer="adam", surrogate=amortized)
     trainer = _trainer(tmp_path, steps=2)
-    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))
+    trainer.fit(module, datamodule=demo_datamodule(tiny_loaded.tokenizer))
     path = tmp_path / "c.ckpt"
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
@@ -553,9 +547,9 @@ def test_amortized_surrogate_goes_into_the_checkpoint(tiny_loaded, tmp_path):
     assert fresh.history == module.history
 
 
-def test_a_run_plots_its_outer_step_curves(tiny_loaded, tmp_path):
+def test_a_run_plots_its_outer_step_curves(demo_datamodule, tiny_loaded, tmp_path):
     module = _tiny_calm(tiny_loaded, surrogate={"schedule": "amortized", "steps": 1})
-    fitted = module.calibrate(_trainer(tmp_path, steps=3), _datamodule(tiny_loaded.tokenizer))
+    fitted = module.calibrate(_trainer(tmp_path, steps=3), demo_datamodule(tiny_loaded.tokenizer))
     assert (tmp_path / "calm_steps.png").stat().st_size > 10_000
     steps = fitted["calm_steps"]
     assert steps["outer_steps"] == 3 and steps["q_first"] == module.history[0]["q"]
@@ -594,7 +588,7 @@ def _iterate(tiny_loaded):
 
 @pytest.mark.parametrize("method", ["calm", "reg", "iterate"])
 def test_max_steps_gives_that_many_outer_steps_batches_and_a_full_schedule(
-    tiny_loaded, tmp_path, method
+    demo_datamodule, tiny_loaded, tmp_path, method
 ):
     """Every training method steps its optimizers by hand; CALM (two optimizers per outer
     step) and Iterate (one more per upper step) must still count one step per batch."""
@@ -613,7 +607,7 @@ def test_max_steps_gives_that_many_outer_steps_batches_and_a_full_schedule(
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
         accelerator="cpu", callbacks=[Count()],
     )  # fmt: skip
-    trainer.fit(module, datamodule=_datamodule(tiny_loaded.tokenizer))  # 4 batches per epoch
+    trainer.fit(module, datamodule=demo_datamodule(tiny_loaded.tokenizer))  # 4 batches per epoch
     assert len(batches) == 3 and module.outer_step == 3 and trainer.global_step == 3
     for scheduler in trainer.lr_scheduler_configs:
         assert scheduler.scheduler.last_epoch == 3
