@@ -321,7 +321,7 @@ def figure(records: list[dict], path: Path) -> None:
                               f"{steps} steps")  # fmt: skip
     for r in budget:  # d crossed 0: no temperature (uniform outputs)
         if r["effective_temperature"] is None:
-            ax.annotate(f"{r['variant']} at {r['upper_lr']}: d < 0", (r["upper_lr"], 1.0),
+            ax.annotate(f"{r['variant']} at {r['upper_lr']}: d < 0", (r["upper_lr"], 1.6),
                         fontsize=6, ha="center")  # fmt: skip
     ax.axhline(4.0, linestyle="--", color="grey", linewidth=0.8, label="known (T = k = 4)")
     ax.set_xscale("log")
