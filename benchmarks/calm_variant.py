@@ -110,14 +110,12 @@ class Study:
         found = self.done(meta)
         if found:
             return found
-        common = study.common(k, setting, seed, split)
-        common.update({"trainer.limit_train_batches": meta["outer_steps"]})
-        payload = study.run({**common, **overrides}, run_dir)
+        # common() sets the study's 12 steps; variant_overrides says otherwise when it differs
+        payload = study.run({**study.common(k, setting, seed, split), **overrides}, run_dir)
         temperature = study.effective_temperature(
             run_dir, payload, self.tokenizer, self.test_records
         )
-        cell = {kk: vv for kk, vv in meta.items()}
-        record = study.record_of(cell, payload, run_dir, temperature)
+        record = study.record_of(meta, payload, run_dir, temperature)
         self.records.append(record)
         study.save(self.results, self.records)
         return record
@@ -170,11 +168,7 @@ class Study:
 
 
 def _ms(values: list[float]) -> str:
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return f"{values[0]:.4f}"
-    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
+    return study._mean_std(values) if values else "–"
 
 
 def _committed() -> list[dict]:

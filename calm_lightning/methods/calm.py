@@ -41,7 +41,6 @@ from calm_lightning.methods.objectives import (
     cross_entropy,
     mean_entropy,
     objective_count,
-    select_predictions,
 )
 from calm_lightning.methods.training import (
     TrainingMethod,
@@ -532,14 +531,9 @@ class CALM(TrainingMethod):
                     batch["input_ids"], batch["attention_mask"], params=params
                 )
             # The head stays outside no_grad: the alpha part of the residual needs its graph.
-            if head is None:
-                logits, targets = adjusted_predictions(
-                    self.model, raw, batch["labels"], mode, self.option_ids
-                )
-            else:
-                rows, targets = select_predictions(raw, batch["labels"], mode, self.option_ids)
-                ids = self.option_ids if mode == "options" else None
-                logits = torch.func.functional_call(self.model.head, head, (rows, ids))
+            logits, targets = adjusted_predictions(
+                self.model, raw, batch["labels"], mode, self.option_ids, head_params=head
+            )
             return cross_entropy(logits, targets)
 
         return BatchLoss(lower, objective_count(batch, mode))
@@ -666,16 +660,16 @@ class CALM(TrainingMethod):
             "calm/outer_step": float(self.outer_step),
             **{f"calm/{k}": v for k, v in head.items()},
         }
+        if len(step.lambdas) > 1:
+            values["calm/lambda_head"] = step.lambdas[-1]
         # What moves the head's d: the sums over its entries of the entropy term's gradient
         # and of the lambda-weighted residual term's (alpha = scale d, then bias l); a
         # positive value pushes d down, i.e. flattens the distribution.
-        if len(step.lambdas) > 1:
-            values["calm/lambda_head"] = step.lambdas[-1]
-        # (a log head's entry -2 is s = log d: its gradients have the same sign as d's)
+        # (a log head's entry -2 is s = log d: its gradients have the same sign as d's; the
+        # head's lambda is the last block's, the only one without per-block lambdas)
         d_f, d_q = grads.grad_f[-2], grads.grad_q[-2]
         values["calm/d_grad_entropy"] = 0.0 if d_f is None else float(d_f.sum())
-        head_lambda = step.lambdas[-1] if step.lambdas else step.lam
-        values["calm/d_grad_residual"] = 0.0 if d_q is None else head_lambda * float(d_q.sum())
+        values["calm/d_grad_residual"] = 0.0 if d_q is None else step.lambdas[-1] * float(d_q.sum())
         if self.persistent is not None:
             values["calm/resyncs"] = float(self.persistent.resyncs)
         self.history.append({k.removeprefix("calm/"): v for k, v in values.items()})

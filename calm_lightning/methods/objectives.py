@@ -97,10 +97,15 @@ def adjusted_predictions(
     labels: torch.Tensor,
     mode: str,
     option_ids: torch.Tensor | None = None,
+    head_params: dict[str, torch.Tensor] | None = None,
 ):
-    """`select_predictions` followed by the model's logit adjustment (fp32)."""
+    """`select_predictions` followed by the model's logit adjustment (fp32); with
+    `head_params`, the head computed with those tensors in place of its own (a surrogate)."""
     rows, targets = select_predictions(raw, labels, mode, option_ids)
-    return model.adjust(rows, option_ids if mode == "options" else None), targets
+    ids = option_ids if mode == "options" else None
+    if head_params is not None:
+        return torch.func.functional_call(model.head, head_params, (rows, ids)), targets
+    return model.adjust(rows, ids), targets
 
 
 @dataclass
