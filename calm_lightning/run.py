@@ -10,8 +10,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+import calm_lightning.runtime.resolvers  # noqa: F401  (importing it registers the resolvers)
 from calm_lightning.errors import CalmLightningError
-from calm_lightning.runtime.resolvers import in_multirun  # importing it registers the resolvers
+from calm_lightning.runtime.multirun import in_multirun
 
 log = logging.getLogger(__name__)
 

@@ -228,7 +228,7 @@ def cache_root(cfg) -> Path | None:
         return None
     folder = evaluation.get("base_cache_dir")
     if not folder:
-        from calm_lightning.runtime.resolvers import in_multirun
+        from calm_lightning.runtime.multirun import in_multirun
 
         if in_multirun():
             from hydra.core.hydra_config import HydraConfig

@@ -189,7 +189,7 @@ def check_world_size(trainer, retention_enabled: bool) -> None:
     (before the model loads)."""
     if trainer.world_size == 1:
         return
-    from calm_lightning.runtime.resolvers import in_multirun
+    from calm_lightning.runtime.multirun import in_multirun
 
     environment = getattr(trainer.strategy, "cluster_environment", None)
     if in_multirun() and not getattr(environment, "creates_processes_externally", False):

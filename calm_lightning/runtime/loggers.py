@@ -43,7 +43,7 @@ def _wandb_overrides(cfg: DictConfig, node: DictConfig, resume_from: str | None)
             write_wandb_id(out, run_id)
         extra["id"] = run_id
     if not node.get("group"):
-        from calm_lightning.runtime.resolvers import in_multirun
+        from calm_lightning.runtime.multirun import in_multirun
 
         if in_multirun():
             from hydra.core.hydra_config import HydraConfig

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from calm_lightning.errors import ConfigError
+from calm_lightning.runtime.multirun import in_multirun
 
 # Strategy names (or `_target_`s) that start several processes per job.
 MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
@@ -22,8 +23,6 @@ MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
 def parallel_jobs() -> int:
     """How many jobs the running multirun executes at once on this machine (1 outside a
     joblib-launched multirun; joblib's n_jobs=-1 means one per CPU core)."""
-    from calm_lightning.runtime.resolvers import in_multirun
-
     if not in_multirun():
         return 1
     from hydra.core.hydra_config import HydraConfig
@@ -84,8 +83,6 @@ def job_devices():
     gpus = _gpu_count()
     if gpus == 0:
         return 1
-    from calm_lightning.runtime.resolvers import in_multirun
-
     if not in_multirun():
         return [0]
     from hydra.core.hydra_config import HydraConfig

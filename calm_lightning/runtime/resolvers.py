@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
+from calm_lightning.runtime.parallel import job_devices
+
 
 def cuda_available() -> bool:
     """True when a CUDA device can be used (the GPU path: bf16, 4-bit QLoRA)."""
@@ -30,24 +32,9 @@ def resolve_precision(value: str | int) -> str | int:
     return auto_precision() if str(value) == "auto" else value
 
 
-def in_multirun() -> bool:
-    """True inside a job of a Hydra multirun (sweep)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def job_devices():
-    """`${calm_job_device:}`: one device per job of a parallel sweep (runtime/parallel.py)."""
-    from calm_lightning.runtime.parallel import job_devices as devices
-
-    return devices()
-
-
 def register_resolvers() -> None:
-    """Register `${calm_precision:auto}` and `${calm_job_device:}`; safe to call more than
-    once."""
+    """Register `${calm_precision:auto}` and `${calm_job_device:}` (one device per job of a
+    parallel sweep, runtime/parallel.py); safe to call more than once."""
     if not OmegaConf.has_resolver("calm_precision"):
         OmegaConf.register_new_resolver("calm_precision", resolve_precision)
     if not OmegaConf.has_resolver("calm_job_device"):
