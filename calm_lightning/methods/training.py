@@ -16,6 +16,7 @@ from calm_lightning.methods.objectives import predictions
 from calm_lightning.runtime.config_checks import Number
 from calm_lightning.runtime.distributed import GlobalMean, any_rank, gather_objects, world
 from calm_lightning.runtime.run_record import LAST_GOOD_CHECKPOINT, checkpoint_file
+from calm_lightning.runtime.strategies import uses_fsdp
 
 
 class NonFiniteError(CalmLightningError):
@@ -57,14 +58,6 @@ def clamp_(params: Iterable[torch.Tensor], bound: float) -> None:
     """Clamp every parameter into [-bound, bound] in place (the paper's parameter clipping)."""
     for param in params:
         param.clamp_(-bound, bound)
-
-
-def uses_fsdp(trainer_cfg) -> bool:
-    """Whether a trainer config asks for Lightning's FSDP (by name or by `_target_`)."""
-    strategy = (trainer_cfg or {}).get("strategy")
-    if hasattr(strategy, "get"):
-        strategy = strategy.get("_target_", "")
-    return "fsdp" in str(strategy or "").lower()
 
 
 class TrainingMethod(CalibrationMethod):

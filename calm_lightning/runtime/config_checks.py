@@ -167,8 +167,8 @@ def check_config(cfg, method_cls, sources: dict) -> None:
 def check_strategy(cfg) -> None:
     """Strategy x quantization pairs that cannot work (the method's own refusals, e.g. CALM
     under FSDP, are in its `check_requirements`)."""
-    from calm_lightning.methods.training import uses_fsdp
     from calm_lightning.models.loading import resolve_quantization
+    from calm_lightning.runtime.strategies import uses_fsdp
 
     quantization = str(cfg.model.get("quantization", "none"))
     four_bit = quantization == "nf4" or (

@@ -15,9 +15,7 @@ import os
 
 from calm_lightning.errors import ConfigError
 from calm_lightning.runtime.multirun import in_multirun
-
-# Strategy names (or `_target_`s) that start several processes per job.
-MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
+from calm_lightning.runtime.strategies import is_multi_process, strategy_name
 
 
 def parallel_jobs() -> int:
@@ -60,12 +58,9 @@ def check_parallel_jobs(cfg) -> None:
     if n_jobs == 1:
         return
     trainer = cfg.get("trainer") or {}
-    strategy = trainer.get("strategy")
-    if hasattr(strategy, "get"):
-        strategy = strategy.get("_target_", "")
-    multi_process = any(name in str(strategy or "").lower() for name in MULTI_PROCESS)
+    strategy = strategy_name(trainer)
     devices = devices_per_job(trainer)
-    if multi_process or devices > 1:
+    if is_multi_process(trainer) or devices > 1:
         raise ConfigError(
             f"hydra/launcher=parallel runs {n_jobs} jobs at once on this machine, and each job "
             f"asks for {devices} devices (trainer.strategy={strategy or 'auto'}, "

@@ -1,10 +1,32 @@
-"""Lightning strategies built for LoRA models (`trainer=fsdp`; docs/scaling.md)."""
+"""Lightning strategies built for LoRA models (`trainer=fsdp`; docs/scaling.md), and what a
+trainer config's strategy is (FSDP, several processes per job)."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+
+# Strategy names (or `_target_`s) that start several processes per job.
+MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
+
+
+def strategy_name(trainer_cfg) -> str:
+    """A trainer config's strategy: its name, or its `_target_` ("" for none)."""
+    strategy = (trainer_cfg or {}).get("strategy")
+    if hasattr(strategy, "get"):
+        strategy = strategy.get("_target_", "")
+    return str(strategy or "")
+
+
+def uses_fsdp(trainer_cfg) -> bool:
+    """Whether a trainer config asks for Lightning's FSDP (by name or by `_target_`)."""
+    return "fsdp" in strategy_name(trainer_cfg).lower()
+
+
+def is_multi_process(trainer_cfg) -> bool:
+    """Whether a trainer config's strategy starts several processes per job (DDP, FSDP, …)."""
+    return any(name in strategy_name(trainer_cfg).lower() for name in MULTI_PROCESS)
 
 
 def trainable_leaf(module: torch.nn.Module) -> bool:
