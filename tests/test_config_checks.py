@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from calm_lightning.config_rules import Keys, Number, OneOf, check_values, merged_rules
 from calm_lightning.errors import ConfigError
-from calm_lightning.runtime.config_checks import Keys, Number, OneOf, check_values, merged_rules
 
 BAD_VALUES = [
     ("method.module.inner_steps=0", "method.module.inner_steps=0 must be an integer >= 1"),

@@ -14,6 +14,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from calm_lightning.config_rules import Number, OneOf, check_values
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.sampling import sample_answers
 from calm_lightning.metrics.reliability import plot_confidence_reliability
@@ -26,7 +27,6 @@ from calm_lightning.metrics.semantic import (
     semantic_ece,
     split_half_answer,
 )
-from calm_lightning.runtime.config_checks import Number, OneOf, check_values
 from calm_lightning.runtime.run_record import Evaluation
 
 CONFIDENCES = ("modal", "split_half")

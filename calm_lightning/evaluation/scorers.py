@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from calm_lightning.calibrators.temperature import BOUNDS, TemperatureFit, fit_temperature
+from calm_lightning.config_rules import Number, OneOf, check_values
 from calm_lightning.data.cloze_batches import PROMPTS
 from calm_lightning.data.prompts import OPTION_LETTERS
 from calm_lightning.evaluation.cloze import NORMALIZE, ClozeScores, score_cloze
@@ -29,7 +30,6 @@ from calm_lightning.evaluation.mcqa import (
     choose_option_tokens,
     score_options,
 )
-from calm_lightning.runtime.config_checks import Number, OneOf, check_values
 
 # Stands in for the letter tokens in the result files of a cloze evaluation.
 CLOZE_OPTION_TOKENS = OptionTokens("cloze", (), OPTION_LETTERS)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import move_data_to_device
 
+from calm_lightning.config_rules import check_values, merged_rules
 from calm_lightning.data.records import OpenQARecord
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.mcqa import OptionTokens
@@ -35,7 +36,6 @@ from calm_lightning.metrics.calibration import calibration_report
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
 from calm_lightning.models.lora import wrap_with_lora
-from calm_lightning.runtime.config_checks import check_values, merged_rules
 from calm_lightning.runtime.distributed import gather_objects, world
 
 # `head` values: no head, the method's configured head (`method.head`: kind, center), or one

@@ -33,6 +33,7 @@ from typing import ClassVar
 
 import torch
 
+from calm_lightning.config_rules import Keys, Number, OneOf
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.base import HEAD_CONFIGURED
 from calm_lightning.methods.bome import bome_direction
@@ -47,7 +48,6 @@ from calm_lightning.methods.training import (
     clamp_,
     first_non_finite,
 )
-from calm_lightning.runtime.config_checks import Keys, Number, OneOf
 from calm_lightning.runtime.distributed import GlobalMean
 
 UPPER_OBJECTIVES = ("auto", "vocab", "options")

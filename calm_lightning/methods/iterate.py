@@ -11,11 +11,11 @@ from typing import ClassVar
 
 import torch
 
+from calm_lightning.config_rules import Number
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.base import HEAD_CONFIGURED
 from calm_lightning.methods.objectives import cross_entropy, mean_entropy, objective_count
 from calm_lightning.methods.training import TrainingMethod, first_non_finite
-from calm_lightning.runtime.config_checks import Number
 from calm_lightning.runtime.distributed import GlobalMean
 
 

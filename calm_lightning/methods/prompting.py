@@ -18,12 +18,12 @@ from typing import ClassVar
 
 import torch
 
+from calm_lightning.config_rules import Number, OneOf
 from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, render_prompt
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.mcqa import score_options
 from calm_lightning.evaluation.verbalized import parse_answer_letter, parse_confidence
 from calm_lightning.methods.base import CalibrationMethod, stated_answer_probs
-from calm_lightning.runtime.config_checks import Number, OneOf
 
 log = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ from calm_lightning.calibrators.reference import (
     fit_temperature_adam,
     inferential_stability_entropy,
 )
+from calm_lightning.config_rules import Number, OneOf
 from calm_lightning.data.collate import pad_left
 from calm_lightning.data.prompts import mcqa_plain_prompt, mcqa_user_text, render_prompt
 from calm_lightning.errors import ConfigError
@@ -44,7 +45,6 @@ from calm_lightning.evaluation.mcqa import (
 )
 from calm_lightning.methods.base import PosthocTemperature
 from calm_lightning.models.logit_lens import lens_option_logits
-from calm_lightning.runtime.config_checks import Number, OneOf
 from calm_lightning.runtime.distributed import is_main_process
 
 log = logging.getLogger(__name__)

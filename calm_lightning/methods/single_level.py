@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import move_data_to_device
 
+from calm_lightning.config_rules import Number, OneOf
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.objectives import (
     adjusted_predictions,
@@ -25,7 +26,6 @@ from calm_lightning.methods.objectives import (
     select_response_logits,
 )
 from calm_lightning.methods.training import TrainingMethod, first_non_finite
-from calm_lightning.runtime.config_checks import Number, OneOf
 
 N_BINS = 10
 

@@ -17,10 +17,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from calm_lightning.calibrators.temperature import fit_temperature
+from calm_lightning.config_rules import Number
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.base import PosthocTemperature
 from calm_lightning.methods.objectives import select_response_logits
-from calm_lightning.runtime.config_checks import Number
 
 log = logging.getLogger(__name__)
 

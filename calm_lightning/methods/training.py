@@ -10,10 +10,10 @@ from typing import ClassVar
 
 import torch
 
+from calm_lightning.config_rules import Number
 from calm_lightning.errors import CalmLightningError, ConfigError
 from calm_lightning.methods.base import CalibrationMethod
 from calm_lightning.methods.objectives import predictions
-from calm_lightning.runtime.config_checks import Number
 from calm_lightning.runtime.distributed import GlobalMean, any_rank, gather_objects, world
 from calm_lightning.runtime.run_record import LAST_GOOD_CHECKPOINT, checkpoint_file
 from calm_lightning.runtime.strategies import uses_fsdp

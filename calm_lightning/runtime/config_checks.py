@@ -1,4 +1,5 @@
-"""Value rules for config keys, checked on the whole composed config before anything heavy.
+"""Config checks on the whole composed config before anything heavy (the rule primitives are
+in config_rules.py).
 
 A method declares the rules of its `method.module` keys as a class attribute
 (`config_rules`, merged along the class hierarchy); the evaluation block's rules are
@@ -15,108 +16,8 @@ duplicate every constructor signature; a rule table keeps one definition per che
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-
+from calm_lightning.config_rules import Number, OneOf, check_values, merged_rules
 from calm_lightning.errors import ConfigError
-
-_MISSING = object()
-
-
-@dataclass(frozen=True)
-class OneOf:
-    """The value is one of `choices` (`required`: a missing key is an error too)."""
-
-    choices: tuple
-    required: bool = False
-
-    def problem(self, value) -> str | None:
-        if value in self.choices:
-            return None
-        return "is not one of " + ", ".join(str(c) for c in self.choices)
-
-
-@dataclass(frozen=True)
-class Number:
-    """A number within bounds (`integer`: a whole number)."""
-
-    minimum: float | None = None
-    maximum: float | None = None
-    integer: bool = False
-    exclusive_minimum: bool = False
-    optional: bool = False  # None allowed (the documented default takes over)
-    required: bool = False
-
-    def problem(self, value) -> str | None:
-        if value is None and self.optional:
-            return None
-        kind = "an integer" if self.integer else "a number"
-        is_number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not is_number or (self.integer and float(value) != int(value)):
-            return f"must be {kind}{self._range()}"
-        low_bad = self.minimum is not None and (
-            value <= self.minimum if self.exclusive_minimum else value < self.minimum
-        )
-        high_bad = self.maximum is not None and value > self.maximum
-        return f"must be {kind}{self._range()}" if low_bad or high_bad else None
-
-    def _range(self) -> str:
-        parts = []
-        if self.minimum is not None:
-            parts.append(f"{'>' if self.exclusive_minimum else '>='} {self.minimum}")
-        if self.maximum is not None:
-            parts.append(f"<= {self.maximum}")
-        return (" " + " and ".join(parts)) if parts else ""
-
-
-@dataclass(frozen=True)
-class Keys:
-    """A mapping whose keys are among `allowed` (e.g. `surrogate: {schedule, steps}`)."""
-
-    allowed: tuple
-
-    def problem(self, value) -> str | None:
-        if value is None:
-            return None
-        if not isinstance(value, Mapping):
-            return "must be a mapping with keys " + ", ".join(self.allowed)
-        unknown = sorted(set(value) - set(self.allowed))
-        if unknown:
-            return f"has unknown keys {unknown}; allowed: {', '.join(self.allowed)}"
-        return None
-
-
-def lookup(values, dotted: str):
-    """`values[a][b]` for "a.b"; `_MISSING` when a level is absent."""
-    node = values
-    for part in dotted.split("."):
-        if node is None or not isinstance(node, Mapping) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
-def check_values(prefix: str, values, rules: Mapping) -> None:
-    """Raise a ConfigError for the first value that breaks its rule, naming
-    `<prefix>.<key>=<value>` and what is allowed."""
-    for key, rule in rules.items():
-        value = lookup(values, key)
-        if value is _MISSING:
-            if not getattr(rule, "required", False):
-                continue
-            value = None
-        problem = rule.problem(value)
-        if problem:
-            where = f"{prefix}.{key}" if prefix else key
-            raise ConfigError(f"{where}={value!r} {problem}")
-
-
-def merged_rules(cls) -> dict:
-    """A class's `config_rules` with those of its bases (a subclass's rule wins)."""
-    rules: dict = {}
-    for klass in reversed(cls.__mro__):
-        rules.update(vars(klass).get("config_rules", {}))
-    return rules
 
 
 def evaluation_rules() -> dict:
