@@ -1,10 +1,11 @@
 """The plain `run_experiment(cfg)` behind `python -m calm_lightning.run` (tests call it too).
 
-It only orchestrates: compose (the resolved config and what a method_setting file changed) ->
-validate (every config value, before data or weights load) -> build (data read and checked,
-the trainer, then the model and the method) -> calibrate (the method's own protocol,
-methods/base.py) -> evaluate (test split, and lm-eval retention when asked) -> write (the run
-record, runtime/run_record.py). What a method is, needs and does lives in its class.
+It only orchestrates: validate (every config value, runtime/validation.py, before anything
+is written or read) -> compose (the resolved config and what a method_setting file changed) ->
+build (data read and checked, the trainer, then the model and the method) -> calibrate (the
+method's own protocol, methods/base.py) -> evaluate (test split, and lm-eval retention when
+asked) -> write (the run record, runtime/run_record.py). What a method is, needs and does
+lives in its class.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from calm_lightning.evaluation.scoring_pass import evaluate, evaluate_base, eval
 from calm_lightning.methods.base import CalibrationMethod, method_class
 from calm_lightning.models.loading import LoadedModel, load_language_model
 from calm_lightning.runtime.base_cache import BaseCache
-from calm_lightning.runtime.config_checks import check_config, check_world_size
 from calm_lightning.runtime.distributed import is_main_process
 from calm_lightning.runtime.loggers import build_loggers, finish_loggers, publish_results
 from calm_lightning.runtime.method_settings import applied_method_setting, log_method_setting
@@ -40,6 +40,7 @@ from calm_lightning.runtime.run_record import (
     write_run,
 )
 from calm_lightning.runtime.timing import Stopwatch
+from calm_lightning.runtime.validation import check_world_size, validate_config
 
 # Manual-optimization methods (CALM) checkpoint the state after their update on purpose: a
 # checkpoint at outer step k holds the parameters and counter after step k, which is what a
@@ -110,7 +111,11 @@ def checkpoint_path(cfg: DictConfig) -> str | None:
 
 
 def run_experiment(cfg: DictConfig) -> RunResult:
-    """Run one (model, method, setting): compose, validate, build, calibrate, evaluate, write."""
+    """Run one (model, method, setting): validate, compose, build, calibrate, evaluate, write."""
+    # validate: every value and requirement first, before anything is written, any data is
+    # read, any logger is created or any weights load (runtime/validation.py)
+    cls, sources = method_class(cfg), build_sources(cfg)
+    validate_config(cfg, cls, sources)
     # compose: the resolved config and whatever a method_setting file changed, said up front
     out = Path(cfg.paths.output_dir)
     main = is_main_process()  # under DDP only rank 0 writes files and prints the tables
@@ -118,9 +123,6 @@ def run_experiment(cfg: DictConfig) -> RunResult:
     if main:
         write_config(out, cfg)
         log_method_setting(method_setting)
-    # validate: every value and requirement, before any data or weights are read
-    cls, sources = method_class(cfg), build_sources(cfg)
-    check_config(cfg, cls, sources)
     datamodule = build_datamodule(cfg, sources=sources)
     ckpt_path = checkpoint_path(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)

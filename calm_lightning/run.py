@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> float | None:
         result = run_experiment(cfg)
     except Exception as err:
         if in_multirun():
-            _record_failure(Path(cfg.paths.output_dir), err)
+            _record_failure(cfg, err)
             return None
         if isinstance(err, CalmLightningError) and os.environ.get("HYDRA_FULL_ERROR") != "1":
             print(f"\nerror: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
@@ -43,9 +43,17 @@ def main(cfg: DictConfig) -> float | None:
     return sweep_objective(cfg, result.metrics, result.comparison)
 
 
-def _record_failure(out: Path, err: Exception) -> None:
-    from calm_lightning.runtime.run_record import write_failure
+def _record_failure(cfg: DictConfig, err: Exception) -> None:
+    from calm_lightning.runtime.run_record import CONFIG_FILE, write_config, write_failure
 
+    out = Path(cfg.paths.output_dir)
+    if not (out / CONFIG_FILE).is_file():
+        # A job refused by the config check stops before the pipeline writes its config; the
+        # sweep's report finds a job by that file, so the failed job gets one here.
+        try:
+            write_config(out, cfg)
+        except Exception as config_err:  # a value that does not even resolve
+            log.warning("no %s for the failed job: %s", CONFIG_FILE, config_err)
     write_failure(out, err)
     log.error("job failed, the sweep continues: %s: %s", type(err).__name__, err)
 

@@ -22,11 +22,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 import yaml
 
+from calm_lightning.config_rules import Either, ListOf, Number, Text, check_values
 from calm_lightning.errors import (
     ConfigError,
     DataFormatError,
@@ -67,6 +69,14 @@ class RetentionSettings:
     n_bins: int = 10
     option: str = "evaluation.retention."
 
+    # The rules of its keys: checked here and, on the composed config, before any model loads.
+    rules: ClassVar[dict] = {
+        "tasks": Either((Text(), ListOf(Text())), optional=True),
+        "limit": Number(minimum=1, integer=True, optional=True),
+        "batch_size": Number(minimum=1, integer=True),
+        "n_bins": Number(minimum=1, integer=True),
+    }
+
     @classmethod
     def from_config(cls, node, option: str = "evaluation.retention.") -> RetentionSettings:
         """From the config block (a DictConfig or dict; None = retention off)."""
@@ -79,6 +89,7 @@ class RetentionSettings:
             if isinstance(node, DictConfig)
             else dict(node)
         )
+        check_values(option.rstrip("."), values, cls.rules)
         tasks = values.get("tasks") or ()
         if isinstance(tasks, str):
             tasks = [tasks]

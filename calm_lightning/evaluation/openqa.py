@@ -14,7 +14,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from calm_lightning.config_rules import Number, OneOf, check_values
+from calm_lightning.config_rules import Flag, Number, OneOf, check_values
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.sampling import sample_answers
 from calm_lightning.metrics.reliability import plot_confidence_reliability
@@ -51,6 +51,7 @@ class OpenQASettings:
         "temperature": Number(minimum=0, exclusive_minimum=True),
         "max_new_tokens": Number(minimum=1, integer=True),
         "f1_threshold": Number(minimum=0, maximum=1),
+        "containment": Flag(),
         "confidence": OneOf(CONFIDENCES),
     }
 

@@ -35,7 +35,7 @@ from calm_lightning.evaluation.scorers import MCQAScorer, scorer_from_config
 from calm_lightning.metrics.calibration import calibration_report
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
-from calm_lightning.models.lora import wrap_with_lora
+from calm_lightning.models.lora import PEFT_RULES, wrap_with_lora
 from calm_lightning.runtime.distributed import gather_objects, world
 
 # `head` values: no head, the method's configured head (`method.head`: kind, center), or one
@@ -306,8 +306,7 @@ class CalibrationMethod(L.LightningModule):
         lm = loaded.model
         peft = dict(peft)
         kind = peft.pop("method", "none")
-        if kind not in ("lora", "none"):
-            raise ConfigError(f"peft.method={kind!r} is not one of lora, none")
+        check_values("peft", {"method": kind}, PEFT_RULES)
         if cls.uses_adapter and kind == "lora":
             lm = wrap_with_lora(lm, peft, quantized=loaded.quantized)
         options = {HEAD_CONFIGURED: head, HEAD_TEMPERATURE: TEMPERATURE_HEAD}.get(cls.head)

@@ -9,7 +9,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from calm_lightning.models.logit_adjustment import HEAD_FILE, LogitAdjustment
+from calm_lightning.config_rules import OneOf
+from calm_lightning.models.logit_adjustment import (
+    CENTERS,
+    HEAD_FILE,
+    KINDS,
+    PARAMETERIZATIONS,
+    LogitAdjustment,
+)
+
+# The `method.head` keys: LogitAdjustment's arguments and the choices it takes (its own checks
+# stay plain, as logit_adjustment.py travels into exported folders without the project).
+HEAD_RULES = {
+    "kind": OneOf(KINDS),
+    "center": OneOf(CENTERS),
+    "parameterization": OneOf(PARAMETERIZATIONS),
+}
 
 # A saved calibration folder (a run's calibration/): the PEFT adapter, the head's file and
 # what the base was loaded as. An export folder with merge=false reuses the adapter's name.

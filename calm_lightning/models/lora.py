@@ -8,6 +8,27 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from calm_lightning.config_rules import Either, Flag, ListOf, Number, OneOf, Text, check_values
+
+PEFT_METHODS = ("lora", "none")  # `peft.method`: LoRA adapters, or none (the model as loaded)
+# The `peft` group's keys (conf/peft/*.yaml); any other LoraConfig argument passes through
+# (`+peft.use_rslora=true`) and peft checks it.
+PEFT_RULES = {
+    "method": OneOf(PEFT_METHODS),
+    "r": Number(minimum=1, integer=True),
+    "lora_alpha": Number(minimum=0, exclusive_minimum=True),
+    "lora_dropout": Number(minimum=0, maximum=1, exclusive_maximum=True),
+    "bias": OneOf(("none", "all", "lora_only")),  # peft's LoraConfig.bias
+    # all-linear (or null): every linear layer but the output layer; else as peft takes it
+    "target_modules": Either(
+        (
+            Text(optional=True, meaning="all-linear or a regex over module names"),
+            ListOf(Text(), nonempty=True, meaning="a list of module names"),
+        )
+    ),
+    "gradient_checkpointing": Flag(),
+}
+
 
 def linear_layer_names(model: nn.Module) -> list[str]:
     """Leaf names of all linear layers except the LM head (found by identity, not by name)."""
@@ -29,6 +50,7 @@ def wrap_with_lora(model: nn.Module, peft_cfg: DictConfig | dict, quantized: boo
         if isinstance(peft_cfg, DictConfig)
         else dict(peft_cfg)
     )
+    check_values("peft", cfg, PEFT_RULES)
     targets = cfg.pop("target_modules", "all-linear")
     if targets in (None, "all-linear"):
         targets = linear_layer_names(model)

@@ -10,6 +10,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from calm_lightning.config_rules import Either, Flag, Number, OneOf, Text
 from calm_lightning.runtime.run_record import (
     RunResult,
     read_wandb_id,
@@ -19,6 +20,23 @@ from calm_lightning.runtime.run_record import (
 
 # The W&B key of a run's reliability diagram (the sweep dashboard's media panel reads it).
 RELIABILITY_KEY = "reliability"
+
+# The keys of the `logger` group (conf/logger/*.yaml) with the values Lightning's CSVLogger and
+# WandbLogger (and wandb.init, which receives `resume`) accept.
+LOGGER_RULES = {
+    "csv.save_dir": Text(),
+    "csv.name": Text(optional=True),
+    "csv.version": Either((Number(minimum=0, integer=True), OneOf(("",)), Text()), optional=True),
+    "wandb.project": Text(optional=True),
+    "wandb.entity": Text(optional=True),
+    "wandb.name": Text(optional=True),
+    "wandb.group": Text(optional=True),
+    "wandb.save_dir": Text(),
+    "wandb.offline": Flag(),
+    "wandb.id": Text(optional=True),
+    "wandb.resume": OneOf(("allow", "must", "never", "auto", True, False), optional=True),
+    "wandb.log_model": OneOf(("all", True, False)),
+}
 
 
 def _wandb_overrides(cfg: DictConfig, node: DictConfig, resume_from: str | None) -> dict:

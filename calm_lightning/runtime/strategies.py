@@ -1,5 +1,6 @@
-"""Lightning strategies built for LoRA models (`trainer=fsdp`; docs/scaling.md), and what a
-trainer config's strategy is (FSDP, several processes per job)."""
+"""The `trainer` group: Lightning strategies built for LoRA models (`trainer=fsdp`;
+docs/scaling.md), what a trainer config's strategy is (FSDP, several processes per job) and the
+rules of the Trainer arguments conf/trainer/*.yaml set."""
 
 from __future__ import annotations
 
@@ -7,8 +8,50 @@ import functools
 
 import torch
 
+from calm_lightning.config_rules import Either, Flag, ListOf, Number, OneOf, Text
+
 # Strategy names (or `_target_`s) that start several processes per job.
 MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
+# Lightning's precision inputs (lightning.fabric.plugins.precision.precision._PRECISION_INPUT;
+# tests/test_config_checks.py compares the two); `${calm_precision:auto}` resolves to one.
+PRECISIONS = (
+    *("transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true"),
+    *("bf16-mixed", "32-true", "64-true", "64", "32", "16", "bf16", 64, 32, 16),
+)
+# Lightning's accelerator names (its AcceleratorRegistry, with `gpu` and `auto`).
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+# A count (a whole number, 0 = none) or a fraction (a float in [0, 1]) of the batches; null = all.
+BATCH_LIMIT = Either((Number(minimum=0, integer=True), Number(minimum=0, maximum=1)), optional=True)
+
+# The plain values among the Trainer's arguments (conf/trainer/*.yaml; `strategy` is a name or
+# a `_target_` node that Lightning checks as it builds it).
+TRAINER_RULES = {
+    "accelerator": OneOf(ACCELERATORS),
+    "devices": Either(
+        (
+            OneOf(("auto", -1)),
+            Number(minimum=1, integer=True),
+            ListOf(Number(minimum=0, integer=True), nonempty=True, meaning="a list of device ids"),
+            Text(pattern=r"-1|\d+(\s*,\s*\d+)*\s*,?", meaning='a string of ids "0,1"'),
+        )
+    ),
+    "num_nodes": Number(minimum=1, integer=True),
+    "precision": OneOf(PRECISIONS),
+    "max_epochs": Number(minimum=-1, integer=True, optional=True),
+    "max_steps": Number(minimum=-1, integer=True),
+    "accumulate_grad_batches": Number(minimum=1, integer=True),
+    "limit_train_batches": BATCH_LIMIT,
+    "limit_test_batches": BATCH_LIMIT,
+    "limit_predict_batches": BATCH_LIMIT,
+    "log_every_n_steps": Number(minimum=0, integer=True, optional=True),
+    "num_sanity_val_steps": Number(minimum=-1, integer=True, optional=True),
+    "gradient_clip_val": Number(minimum=0, optional=True),
+    "use_distributed_sampler": Flag(),
+    "enable_checkpointing": Flag(),
+    "enable_model_summary": Flag(),
+    "enable_progress_bar": Flag(),
+    "default_root_dir": Text(optional=True),
+}
 
 
 def strategy_name(trainer_cfg) -> str:
