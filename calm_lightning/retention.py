@@ -102,7 +102,7 @@ def evaluate_run(
     from calm_lightning.evaluation.lm_eval_retention import RetentionStep
     from calm_lightning.evaluation.results import run_meta
     from calm_lightning.exported.logits_processor import CALIBRATION_FILE
-    from calm_lightning.exported.writer import inspect_run, load_base_model, target_dtype
+    from calm_lightning.exported.saved_run import inspect_run, load_base_model, target_dtype
     from calm_lightning.models.calibrated_lm import CalibratedLM
     from calm_lightning.runtime.run_record import is_run_dir, write_retention
 
