@@ -23,6 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
+from calm_lightning.cli import parse_list
 from calm_lightning.runtime.run_record import CONFIG_FILE, read_predictions, read_run
 
 # The folder holding this package: a source checkout, or site-packages once installed.
@@ -291,12 +292,20 @@ ORDER = [
 ]  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m calm_lightning.acceptance")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="outputs/gpu_check", help="logs and gpu_check.json")
     parser.add_argument("--cpu", action="store_true", help="the same checks on the CPU")
-    parser.add_argument("--only", nargs="+", choices=ORDER, help="run these checks only")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--only", nargs="+", metavar="CHECK", help=f"run these checks only: {', '.join(ORDER)}"
+    )
+
+
+def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the checks; 1 if any failed."""
+    only = [name for item in args.only or () for name in parse_list(item, "--only")]
+    unknown = [name for name in only if name not in ORDER]
+    if unknown:
+        parser.error(f"--only: no check {', '.join(unknown)} (choose from {', '.join(ORDER)})")
     import logging
 
     import torch
@@ -311,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
     record = {"mode": "cpu" if args.cpu else "gpu", "device": device, "torch": torch.__version__,
               "gpus": checks.gpus, "checks": []}  # fmt: skip
-    for name in args.only or ORDER:
+    for name in only or ORDER:
         start = time.perf_counter()
         entry = {"name": name}
         try:
@@ -334,6 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'some checks failed: ' + ', '.join(failed) if failed else 'all checks passed'} "
           f"(json and logs in {out})")  # fmt: skip
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m calm_lightning.acceptance`: the same as `python -m calm_lightning check`."""
+    from calm_lightning.cli import command_main
+
+    return command_main("check", argv)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,12 @@ add an output directory, its own logging and a .hydra/ folder the export has no 
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from calm_lightning.errors import ExportError, run_command
+from calm_lightning.cli import command_main, key_value_arguments, parse_bool
+from calm_lightning.errors import ExportError
 
 USAGE = (
     "usage: python -m calm_lightning.export run_dir=<run dir> out=<folder> "
@@ -46,23 +48,15 @@ def parse_arguments(argv: list[str]) -> ExportOptions:
     """key=value arguments into `ExportOptions`; anything else stops with the usage line."""
     from calm_lightning.exported.folding import FOLD_NAMES
 
-    known = {f.name for f in fields(ExportOptions)}
-    values: dict[str, str] = {}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in known:
-            raise ExportError(
-                f"unknown argument {arg!r} (arguments are key=value, keys: "
-                f"{', '.join(sorted(known))})\n{USAGE}"
-            )
-        values[key] = value
+    keys = tuple(sorted(f.name for f in fields(ExportOptions)))
+    values = key_value_arguments(argv, keys, USAGE)
     missing = [k for k in ("run_dir", "out") if not values.get(k)]
     if missing:
         raise ExportError(f"missing {' and '.join(f'{k}=' for k in missing)}\n{USAGE}")
     options = {"run_dir": Path(values["run_dir"]), "out": Path(values["out"])}
     for key in ("merge", "overwrite"):
         if key in values:
-            options[key] = _boolean(key, values[key])
+            options[key] = parse_bool(values[key], key)
     if "dtype" in values:
         options["dtype"] = values["dtype"]
     if "fold" in values:
@@ -72,26 +66,30 @@ def parse_arguments(argv: list[str]) -> ExportOptions:
     return ExportOptions(**options)
 
 
-def _boolean(key: str, value: str) -> bool:
-    lowered = value.lower()
-    if lowered in ("true", "1", "yes"):
-        return True
-    if lowered in ("false", "0", "no"):
-        return False
-    raise ExportError(f"{key}={value!r} is not true or false")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "arguments",
+        nargs="*",
+        metavar="key=value",
+        help="run_dir=<run dir> out=<folder> (both required), merge=true|false (default true), "
+        "fold=auto|true|false (auto), overwrite=false|true (false), "
+        "dtype=auto|float32|bfloat16|float16 (auto); docs/export.md",
+    )
+
+
+def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Export the run the arguments name."""
+    from calm_lightning.exported.writer import export_run
+
+    options = parse_arguments(args.arguments)
+    out = export_run(**{f.name: getattr(options, f.name) for f in fields(ExportOptions)})
+    print(f"exported to {out} (see {out / 'README.md'})")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; errors the user can fix print their message without a traceback."""
-
-    def action(args: list[str]) -> str:
-        from calm_lightning.exported.writer import export_run
-
-        options = parse_arguments(args)
-        out = export_run(**{f.name: getattr(options, f.name) for f in fields(ExportOptions)})
-        return f"exported to {out} (see {out / 'README.md'})"
-
-    return run_command(argv, __doc__.split("\n\n")[0], USAGE, action)
+    """`python -m calm_lightning.export`: the same as `python -m calm_lightning export`."""
+    return command_main("export", argv)
 
 
 if __name__ == "__main__":
