@@ -198,4 +198,6 @@ def run_hydra_app(args: list[str]) -> int:
 def _prog() -> str:
     """How the user called us, for the usage line."""
     called = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return called if called and called != "__main__.py" else "python -m calm_lightning"
+    if not called or called == "__main__.py" or called.startswith("-"):  # -m, -c
+        return "python -m calm_lightning"
+    return called
