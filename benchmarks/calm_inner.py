@@ -35,7 +35,7 @@ def main() -> None:
     from hydra import compose, initialize_config_module
 
     import calm_lightning.runtime.resolvers  # noqa: F401  (registers resolvers)
-    from calm_lightning.methods.calm import bilevel_gradients
+    from calm_lightning.methods.bome import bilevel_gradients
     from calm_lightning.models.loading import load_language_model
     from calm_lightning.pipeline import build_datamodule, build_method
 

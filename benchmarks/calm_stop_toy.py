@@ -20,8 +20,7 @@ import math
 import torch
 from scipy.optimize import minimize_scalar
 
-from calm_lightning.methods.bome import bome_direction
-from calm_lightning.methods.calm import bilevel_gradients
+from calm_lightning.methods.bome import bilevel_gradients, bome_direction
 from calm_lightning.methods.training import warmup_cosine
 
 PAPER = {"log": False, "joint": False, "per_block": False, "sign": False}

@@ -23,8 +23,10 @@ import time
 import traceback
 from pathlib import Path
 
+from calm_lightning.cli import parse_list
 from calm_lightning.runtime.run_record import CONFIG_FILE, read_predictions, read_run
 
+# The folder holding this package: a source checkout, or site-packages once installed.
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "model=tiny",
@@ -57,7 +59,9 @@ class Skip(Exception):
 
 
 def _env() -> dict:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    """Offline, and in a checkout its package first (an installed one needs no path)."""
+    checkout = str(ROOT) if (ROOT / "pyproject.toml").is_file() else None
+    path = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH")) if p)
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     return dict(os.environ, PYTHONPATH=path, **offline)
 
@@ -75,8 +79,9 @@ def _run_in_process(overrides: list[str], out: Path) -> dict:
 
 
 def _run_command(args: list[str], log: Path, timeout: int = 600) -> str:
+    # In this process's folder, so relative output paths mean the same on both sides.
     done = subprocess.run(
-        args, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=timeout, check=False
+        args, capture_output=True, text=True, env=_env(), timeout=timeout, check=False
     )
     log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
@@ -103,23 +108,19 @@ def _logged_training(out: Path, method: str) -> int:
     return len(values)
 
 
-def _benchmark(script: str, args: list[str], out: Path) -> str:
-    """Run benchmarks/SCRIPT's main() in this process (no second start-up); its printout."""
+def _sampling_benchmark(args: list[str], out: Path) -> str:
+    """The sampler benchmark (benchmarking/sampling.py) in this process; its printout."""
     import contextlib
-    import importlib.util
     import io
 
-    spec = importlib.util.spec_from_file_location(script, ROOT / "benchmarks" / f"{script}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    printed, argv = io.StringIO(), sys.argv
-    sys.argv = [str(spec.origin), *args]
+    from calm_lightning.benchmarking.sampling import main as sampling_main
+
+    printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            module.main()
+            sampling_main(args)
     finally:
-        sys.argv = argv
-        (out / f"{script}.log").write_text(printed.getvalue())
+        (out / "sampling.log").write_text(printed.getvalue())
     return printed.getvalue()
 
 
@@ -215,7 +216,7 @@ class Checks:
         assert worst <= SCORE_TOLERANCE, f"max |p_device - p_cpu| = {worst:.2e}"
         return {"max_abs_difference": worst, "tolerance": SCORE_TOLERANCE}
 
-    # CALM's outer step against plain LoRA: time and memory ratios (benchmarks/calm_step.py).
+    # CALM's outer step against plain LoRA: time and memory ratios (benchmarking/calm_step.py).
     def calm_cost_ratios(self, out: Path) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         if self.cpu:
@@ -223,7 +224,7 @@ class Checks:
         # A 1B-class shape (Gemma 3 1B), bf16, the benchmark's batch of 4 x 256 tokens.
         model = ["--model", "random", "--shape", "gemma3_1b", "--tokenizer", "bytes",
                  "--batch", "4", "--seq", "256", "--inner-steps", "5", "--steps", "2"]  # fmt: skip
-        args = [sys.executable, str(ROOT / "benchmarks" / "calm_step.py"), *model,
+        args = [sys.executable, "-m", "calm_lightning.benchmarking.calm_step", *model,
                 "--repeats", "1", "--no-epoch", "--json", str(out / "costs.json")]  # fmt: skip
         _run_command(args, out / "calm_step.log")
         costs = json.loads((out / "costs.json").read_text())
@@ -238,12 +239,8 @@ class Checks:
         """--cpu: plain and CALM step times of the tiny model, timed in this process by the
         benchmark's own worker (no isolated workers, so no memory ratio: a process's peak RSS
         only grows)."""
-        import importlib.util
+        from calm_lightning.benchmarking.step_worker import worker
 
-        path = ROOT / "benchmarks" / "calm_step.py"
-        spec = importlib.util.spec_from_file_location("calm_step", path)
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
         times = {}
         for mode in ("plain", "calm"):
             args = argparse.Namespace(
@@ -251,7 +248,7 @@ class Checks:
                 worker=mode, inner_steps=2, epoch_inner_steps=2, amortized_steps=1, steps=1,
                 batch=2, seq=32, dropout=0.01, inner_optimizer="adam", inner_lr=None,
             )  # fmt: skip
-            times[mode] = bench.worker(args)["step_s"]
+            times[mode] = worker(args)["step_s"]
         ratio = times["calm"] / (times["plain"] * (2 + 3))
         assert math.isfinite(ratio) and ratio > 0
         return {"model": "tiny", "time": ratio, "memory": "not measured", "judged": False}
@@ -273,7 +270,7 @@ class Checks:
         assert "quantization: nf4" in (out / CONFIG_FILE).read_text()
         return {"conf_ece": metrics["conf_ece"]}
 
-    # The Sem-ECE sampler against 20 separate generate calls (benchmarks/sampling.py).
+    # The Sem-ECE sampler against 20 separate generate calls (benchmarking/sampling.py).
     def sampler_vs_generate(self, out: Path) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         # --cpu: 5 samples of 4 tokens (each generate call costs ~0.4 s of Python on a CPU);
@@ -281,7 +278,7 @@ class Checks:
         questions, samples, tokens = ("1", 5, "4") if self.cpu else ("4", 20, "8")
         args = ["--model", "tiny", "--tokenizer", "bytes", "--questions", questions, "--batch",
                 questions, "--samples", str(samples), "--max-new-tokens", tokens]  # fmt: skip
-        printed = _benchmark("sampling", args, out)
+        printed = _sampling_benchmark(args, out)
         pattern = rf"speed-up vs {samples} generate calls: ([\d.]+)x"
         speedup = float(re.search(pattern, printed).group(1))
         if not self.cpu:
@@ -295,12 +292,20 @@ ORDER = [
 ]  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m calm_lightning.acceptance")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="outputs/gpu_check", help="logs and gpu_check.json")
     parser.add_argument("--cpu", action="store_true", help="the same checks on the CPU")
-    parser.add_argument("--only", nargs="+", choices=ORDER, help="run these checks only")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--only", nargs="+", metavar="CHECK", help=f"run these checks only: {', '.join(ORDER)}"
+    )
+
+
+def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the checks; 1 if any failed."""
+    only = [name for item in args.only or () for name in parse_list(item, "--only")]
+    unknown = [name for name in only if name not in ORDER]
+    if unknown:
+        parser.error(f"--only: no check {', '.join(unknown)} (choose from {', '.join(ORDER)})")
     import logging
 
     import torch
@@ -315,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
     record = {"mode": "cpu" if args.cpu else "gpu", "device": device, "torch": torch.__version__,
               "gpus": checks.gpus, "checks": []}  # fmt: skip
-    for name in args.only or ORDER:
+    for name in only or ORDER:
         start = time.perf_counter()
         entry = {"name": name}
         try:
@@ -338,6 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'some checks failed: ' + ', '.join(failed) if failed else 'all checks passed'} "
           f"(json and logs in {out})")  # fmt: skip
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m calm_lightning.acceptance`: the same as `python -m calm_lightning check`."""
+    from calm_lightning.cli import command_main
+
+    return command_main("check", argv)
 
 
 if __name__ == "__main__":

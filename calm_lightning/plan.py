@@ -27,7 +27,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from calm_lightning.errors import CalmLightningError, ConfigError
+from calm_lightning.errors import ConfigError
 
 PAPER_CALM_VS_REG = 3.4  # CALM paper, Table 10: CALM epoch / Regularization epoch
 # Methods whose training step is one pass of a single-level loss, like Regularization's.
@@ -332,25 +332,26 @@ def print_plan(jobs: list[Job], costs: dict | None) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m calm_lightning.plan", description=__doc__.split("\n\n")[0]
-    )
+def add_arguments(parser) -> None:
     parser.add_argument("target", help="a multirun_sweeps/*.sh script or +sweep=NAME")
     parser.add_argument("overrides", nargs="*", help="model=NAME and other key=value overrides")
     parser.add_argument("--costs", help="json from benchmarks/calm_step.py --json")
-    args = parser.parse_args(argv)
-    try:
-        costs = json.loads(Path(args.costs).read_text()) if args.costs else None
-        jobs = plan(args.target, args.overrides, costs)
-    except CalmLightningError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+
+
+def command(args, parser) -> int:
+    """Print the jobs of `args.target` with their estimates."""
+    costs = json.loads(Path(args.costs).read_text()) if args.costs else None
+    jobs = plan(args.target, args.overrides, costs)
     print(f"plan: {args.target} {shlex.join(args.overrides)}")
     print_plan(jobs, costs)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m calm_lightning.plan`: the same as `python -m calm_lightning plan`."""
+    from calm_lightning.cli import command_main
+
+    return command_main("plan", argv)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from calm_lightning.reporting.collect import collect_runs
-from calm_lightning.reporting.dashboard import publish, write_dashboard
-from calm_lightning.reporting.render import write_report
-from calm_lightning.runtime.run_record import CONFIG_FILE
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dirs", nargs="+", help="run or multirun directories to read")
     parser.add_argument("--out", help="where to write (default: <first dir>/report)")
     parser.add_argument(
@@ -30,7 +24,15 @@ def main(argv: list[str] | None = None) -> int:
         help="create the sweep's W&B views online (needs a login and the runs synced)",
     )
     parser.add_argument("--entity", help="W&B entity of the views (default: the runs' or yours)")
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Write the report of `args.dirs` and print its tables."""
+    from calm_lightning.reporting.collect import collect_runs
+    from calm_lightning.reporting.dashboard import publish, write_dashboard
+    from calm_lightning.reporting.render import write_report
+    from calm_lightning.runtime.run_record import CONFIG_FILE
+
     missing = [d for d in args.dirs if not Path(d).is_dir()]
     if missing:
         parser.error(f"not a directory: {', '.join(missing)}")
@@ -57,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.publish:
         parser.error("--publish: none of the runs was logged with W&B (logger=wandb)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m calm_lightning.report`: the same as `python -m calm_lightning report`."""
+    from calm_lightning.cli import command_main
+
+    return command_main("report", argv)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ model is scored as served (one `export` row; `tasks=` is then required, there is
 config to read them from), so an export can be checked against its run's retention and
 against lm-eval's own `hf` model on the same folder.
 
-Arguments are key=value like a run's command line (lists as [a,b]), parsed with OmegaConf's
-dotlist rather than Hydra: there is nothing to compose.
+Arguments are key=value like a run's command line (lists as [a,b] or a,b), read by the
+command line's shared parsers (cli.py) rather than Hydra: there is nothing to compose.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from calm_lightning.errors import ConfigError, run_command
+from calm_lightning.cli import command_main, key_value_arguments, parse_bool, parse_list
+from calm_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +36,34 @@ KEYS = ("run_dir", "tasks", "data_files", "limit", "batch_size", "n_bins", "out"
 
 
 def parse_arguments(argv: list[str]) -> dict:
-    """key=value arguments into a plain dict (lists and numbers parsed as YAML)."""
-    from omegaconf import OmegaConf
-
-    for arg in argv:
-        key, sep, _ = arg.partition("=")
-        if not sep or key.split(".")[0] not in KEYS:
-            raise ConfigError(
-                f"unknown argument {arg!r} (arguments are key=value, keys: "
-                f"{', '.join(KEYS)})\n{USAGE}"
+    """key=value arguments into a plain dict: lists for tasks and data files, numbers, a bool."""
+    values: dict = {}
+    for key, text in key_value_arguments(argv, KEYS, USAGE, nested=("data_files",)).items():
+        if key.startswith("data_files."):
+            values.setdefault("data_files", {})[key.removeprefix("data_files.")] = parse_list(
+                text, key
             )
-    try:
-        values = OmegaConf.to_container(OmegaConf.from_dotlist(argv))
-    except Exception as err:  # omegaconf grammar errors
-        raise ConfigError(f"cannot parse the arguments: {err}\n{USAGE}") from err
+        elif key == "tasks":
+            values[key] = parse_list(text, key)
+        elif key in ("limit", "batch_size", "n_bins"):
+            values[key] = _integer(key, text)
+        elif key == "overwrite":
+            values[key] = parse_bool(text, key)
+        else:
+            values[key] = text
     if not values.get("run_dir"):
         raise ConfigError(f"missing run_dir=\n{USAGE}")
     return values
+
+
+def _integer(key: str, text: str) -> int | None:
+    """A whole number; `limit` may also be null (every document)."""
+    if key == "limit" and text.strip().lower() in ("null", "none"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} is not a whole number\n{USAGE}") from None
 
 
 def settings_for(run_cfg, arguments: dict):
@@ -80,17 +92,6 @@ def settings_for(run_cfg, arguments: dict):
     return settings
 
 
-def _boolean(value) -> bool:
-    if isinstance(value, bool):
-        return value
-    lowered = str(value).lower()
-    if lowered in ("true", "1", "yes"):
-        return True
-    if lowered in ("false", "0", "no"):
-        return False
-    raise ConfigError(f"overwrite={value!r} is not true or false")
-
-
 def evaluate_run(
     run_dir: str | Path,
     arguments: dict | None = None,
@@ -102,7 +103,7 @@ def evaluate_run(
     from calm_lightning.evaluation.lm_eval_retention import RetentionStep
     from calm_lightning.evaluation.results import run_meta
     from calm_lightning.exported.logits_processor import CALIBRATION_FILE
-    from calm_lightning.exported.writer import inspect_run, load_base_model, target_dtype
+    from calm_lightning.exported.saved_run import inspect_run, load_base_model, target_dtype
     from calm_lightning.models.calibrated_lm import CalibratedLM
     from calm_lightning.runtime.run_record import is_run_dir, write_retention
 
@@ -167,19 +168,32 @@ def _check_target(out: Path, overwrite: bool) -> None:
         )
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "arguments",
+        nargs="*",
+        metavar="key=value",
+        help="run_dir=<run dir or export folder> (required), tasks=[piqa,winogrande,...], "
+        "data_files.<task>=[file,...], limit=N, batch_size=8, n_bins=10, out=<dir>, "
+        "overwrite=false|true; docs/retention.md",
+    )
+
+
+def command(args, parser) -> int:
+    """Score the saved run (or export) the arguments name."""
+    arguments = parse_arguments(args.arguments)
+    evaluate_run(
+        arguments.pop("run_dir"),
+        arguments,
+        out=arguments.pop("out", None),
+        overwrite=arguments.pop("overwrite", False),
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The command line; errors the user can fix print their message without a traceback."""
-
-    def action(args: list[str]) -> None:
-        arguments = parse_arguments(args)
-        evaluate_run(
-            arguments.pop("run_dir"),
-            arguments,
-            out=arguments.pop("out", None),
-            overwrite=_boolean(arguments.pop("overwrite", False)),
-        )
-
-    return run_command(argv, __doc__.split("\n\n")[0], USAGE, action)
+    """`python -m calm_lightning.retention`: the same as `python -m calm_lightning retention`."""
+    return command_main("retention", argv)
 
 
 if __name__ == "__main__":

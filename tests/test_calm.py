@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from calm_lightning.methods.bome import bome_direction
-from calm_lightning.methods.calm import CALM, STEP_SERIES, bilevel_gradients
+from calm_lightning.methods.bome import bilevel_gradients, bome_direction
+from calm_lightning.methods.calm import CALM, STEP_SERIES
 from calm_lightning.methods.training import NonFiniteError, warmup_cosine
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
@@ -307,7 +307,7 @@ def test_adam_inner_steps_match_torch_adam_with_fresh_moments():
 
 
 def _stored(tensors, kind="sgd", rho=0.1):
-    from calm_lightning.methods.calm import InnerStep, PersistentSurrogate
+    from calm_lightning.methods.bome import InnerStep, PersistentSurrogate
 
     persistent = PersistentSurrogate(InnerStep(kind, rho))
     persistent.tensors = [t.clone() for t in tensors]

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from calm_lightning.methods.bome import bome_direction
-from calm_lightning.methods.calm import CALM, bilevel_gradients
+from calm_lightning.methods.bome import bilevel_gradients, bome_direction
+from calm_lightning.methods.calm import CALM
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
 from calm_lightning.models.lora import wrap_with_lora

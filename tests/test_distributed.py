@@ -112,7 +112,7 @@ def _toy_problem(rows: slice, held: slice):
 
 
 def _bilevel(rows, held, mean=None, **kwargs):
-    from calm_lightning.methods.calm import BatchLoss, bilevel_gradients
+    from calm_lightning.methods.bome import BatchLoss, bilevel_gradients
 
     theta, alpha, lower, upper, n_rows, n_held = _toy_problem(rows, held)
     grads = bilevel_gradients(

@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 
 from calm_lightning.data.sources import EmbeddedDemoSource
 from calm_lightning.errors import ExportError
-from calm_lightning.exported.writer import export_run, main, parse_arguments
+from calm_lightning.export import main, parse_arguments
+from calm_lightning.exported.writer import export_run
 from calm_lightning.pipeline import run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]

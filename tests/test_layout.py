@@ -1,8 +1,10 @@
 """Test modules share composed configs and override lists through conftest.py fixtures, never
-by importing from each other or from conftest (a Hydra `_target_` string is no import)."""
+by importing from each other or from conftest (a Hydra `_target_` string is no import); the
+package's files and functions stay short enough to read."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -19,3 +21,45 @@ def test_no_test_file_imports_from_the_tests_package():
             if IMPORT_FROM_TESTS.search(line):
                 offenders.append(f"{path.relative_to(TESTS)}:{number}: {line.strip()}")
     assert not offenders, "use a conftest.py fixture instead:\n" + "\n".join(offenders)
+
+
+PACKAGE = TESTS.parent / "calm_lightning"
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80  # decorators and docstring included
+
+
+def _oversized(path: Path) -> list[str]:
+    """The file itself when it is over MAX_FILE_LINES, and each function over
+    MAX_FUNCTION_LINES."""
+    text = path.read_text()
+    found = []
+    if len(text.splitlines()) > MAX_FILE_LINES:
+        found.append(f"{path.name}: {len(text.splitlines())} lines")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                found.append(f"{path.name}:{node.lineno} {node.name}")
+    return found
+
+
+def test_every_package_file_and_function_stays_short():
+    """A file over 500 lines or a function over 80 does several jobs: split it by what each
+    part does."""
+    found = [item for path in sorted(PACKAGE.rglob("*.py")) for item in _oversized(path)]
+    assert not found, found
+
+
+def test_the_size_rule_on_hand_made_modules(tmp_path):
+    def body(n: int, indent: str = "    ") -> str:
+        return "".join(f"{indent}x{i} = {i}\n" for i in range(n))
+
+    cases = {
+        "short.py": (f"def f():\n{body(79)}", []),  # 80 lines with the def
+        "decorated.py": (f"@staticmethod\ndef g():\n{body(79)}", ["decorated.py:2 g"]),
+        "nested.py": (f"class C:\n    def h(self):\n{body(80, ' ' * 8)}", ["nested.py:2 h"]),
+        "long.py": ("x = 0\n" * (MAX_FILE_LINES + 1), [f"long.py: {MAX_FILE_LINES + 1} lines"]),
+    }
+    for name, (source, expected) in cases.items():
+        (tmp_path / name).write_text(source)
+        assert _oversized(tmp_path / name) == expected, name

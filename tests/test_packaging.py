@@ -1,8 +1,11 @@
 """The package as users install it: `pip install .` (not editable) into a fresh virtual
-environment finds the top-level `conf/` tree and runs a job from another directory."""
+environment finds the top-level `conf/` tree, offers every command of `python -m calm_lightning`
+(the acceptance check's measurements included, without the repository's benchmarks/) and runs a
+job from another directory."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import site
@@ -29,6 +32,29 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert found | {"calm_lightning.conf"} == listed
 
 
+# In the installed copy: every command's --help (run's is Hydra's) in one process, and the
+# packaged benchmarks' own --help (they read calm.yaml from the installed config package).
+HELP_LOOP = """
+import contextlib, io, json, sys
+from calm_lightning.benchmarking import calm_step, sampling
+from calm_lightning.cli import COMMANDS, main
+status = {}
+calls = [(name, lambda n=name: main([n, "--help"])) for name in COMMANDS]
+calls += [(m.__name__, lambda m=m: m.main(["--help"])) for m in (calm_step, sampling)]
+for name, call in calls:
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            call()
+        status[name] = None
+    except SystemExit as done:
+        status[name] = done.code
+    status[name + " printed"] = printed.getvalue()
+print(json.dumps(status))
+"""
+
+
+@pytest.mark.integration
 def test_pip_install_into_a_fresh_venv_runs_a_job_from_another_directory(tmp_path):
     # A copy of the source tree without build leftovers (an in-tree build/ could carry stale
     # modules into the wheel).
@@ -99,11 +125,13 @@ def test_pip_install_into_a_fresh_venv_runs_a_job_from_another_directory(tmp_pat
     ).stdout.strip()
     assert where.startswith(purelib), where  # the installed copy, not the checkout
     assert Path(where).with_name("run.yaml").is_file()
+    _check_the_command_line(python, elsewhere, env)
+    # The job through the installed `calm-lightning run` script (python -m calm_lightning.run
+    # runs the same Hydra app, and every other test starts it so).
     done = subprocess.run(
         [
-            str(python),
-            "-m",
-            "calm_lightning.run",
+            str(env_dir / "bin" / "calm-lightning"),
+            "run",
             "model=tiny",
             "method=base",
             "setting.test.limit=4",
@@ -117,3 +145,26 @@ def test_pip_install_into_a_fresh_venv_runs_a_job_from_another_directory(tmp_pat
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert '"n": 4' in (tmp_path / "run" / "metrics.json").read_text()
+
+
+def _check_the_command_line(python: Path, cwd: Path, env: dict) -> None:
+    """`python -m calm_lightning --help` lists the six commands and each command's --help
+    exits 0, in the installed copy."""
+    from calm_lightning.cli import COMMANDS
+
+    listed = subprocess.run(
+        [str(python), "-m", "calm_lightning", "--help"],
+        cwd=cwd, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    printed = " ".join(listed.stdout.split())
+    for name, command in COMMANDS.items():
+        assert f"{name} {command.summary}" in printed, name
+    done = subprocess.run(
+        [str(python), "-c", HELP_LOOP], cwd=cwd, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = json.loads(done.stdout.splitlines()[-1])
+    benchmarks = [f"calm_lightning.benchmarking.{name}" for name in ("calm_step", "sampling")]
+    for name in [*COMMANDS, *benchmarks]:
+        assert status[name] == 0, (name, status[name], status[name + " printed"][-2000:])
+        assert status[name + " printed"].startswith(("usage:", "run is powered by Hydra")), name

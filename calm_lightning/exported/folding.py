@@ -16,14 +16,34 @@ llama.cpp after conversion, lm-eval, a plain pipeline) serves the calibrated dis
 prompt log-probabilities included. Tied input/output embeddings are untied first (the input
 embedding must stay as it was). Each fold is checked numerically on the model itself before it
 is written.
+
+`place_head` is the export's decision: fold where exact (and `fold=` allows), otherwise attach
+the head for the custom code (hub_modeling.py) that the folder carries.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from calm_lightning.errors import ExportError
 from calm_lightning.models.logit_adjustment import LogitAdjustment
+
+log = logging.getLogger(__name__)
+
+# The export's `fold=`: where exact | always (refused where not exact) | never.
+FOLD_NAMES = ("auto", "true", "false")
+# Files the export copies into the folder so it runs without this project: the head's module,
+# the custom modeling code and the logits processor (their project imports made relative).
+HEAD_MODULE = "logit_adjustment.py"
+MODELING_MODULE = "modeling_calibrated.py"
+PROCESSOR_MODULE = "calibration_processor.py"
+CUSTOM_CLASS = "CalibratedForCausalLM"
+PROBE_LENGTH = 16  # token ids of the numerical check of a fold
 
 # Largest difference of next-token probabilities between the folded model and head(base
 # logits) accepted, per weight dtype: fp32 folds are exact to rounding, 16-bit ones round W.
@@ -94,3 +114,53 @@ def fold_head(model: nn.Module, head: LogitAdjustment, probe: torch.Tensor) -> f
             f"(> {tolerance:g} for {layer.weight.dtype} weights)"
         )
     return error
+
+
+def adapts_output(adapter: Path | None, merge: bool) -> bool:
+    """Whether an adapter kept beside the weights (merge=false) changes the output layer."""
+    if adapter is None or merge:
+        return False
+    targets = json.loads((adapter / "adapter_config.json").read_text()).get("target_modules")
+    names = targets if isinstance(targets, list) else [str(targets)]
+    return any("lm_head" in str(name) or "embed_out" in str(name) for name in names)
+
+
+def place_head(model, head, fold: str, adapted_output: bool) -> dict:
+    """Fold the head into the output layer (where exact and allowed) or attach it for the
+    custom code; returns calibration.json's `serving` block."""
+    from calm_lightning.exported.hub_modeling import CONFIG_KEY, HEAD_ATTRIBUTE
+
+    obstacle = fold_obstacle(head, model, adapted_output)
+    if fold == "true" and obstacle is not None:
+        raise ExportError(
+            f"fold=true: this head cannot be folded into the output layer exactly ({obstacle}); "
+            "use fold=auto, which ships it as custom code instead"
+        )
+    if fold != "false" and obstacle is None:
+        generator = torch.Generator().manual_seed(0)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        probe = torch.randint(vocab, (2, PROBE_LENGTH), generator=generator)
+        try:
+            error = fold_head(model, head.to(model.device), probe.to(model.device))
+        except ValueError as err:
+            raise ExportError(f"{err}; export with fold=false to keep the head separate") from err
+        log.info("folded the %s head into the output layer (max probability change %.1e)",
+                 head.kind, error)  # fmt: skip
+        return {"calibration": "folded", "max_probability_error": error}
+    if not _transformers_class(type(model)):
+        raise ExportError(
+            f"the head must travel as custom code (it cannot be folded: {obstacle}), but the "
+            f"model class {type(model).__name__} is not importable from transformers"
+        )
+    setattr(model, HEAD_ATTRIBUTE, head.to(model.device).requires_grad_(False))
+    setattr(model.config, CONFIG_KEY, {
+        "vocab_size": head.vocab_size, "kind": head.kind, "center": head.center,
+    })  # fmt: skip
+    model.config.auto_map = {"AutoModelForCausalLM": f"{MODELING_MODULE[:-3]}.{CUSTOM_CLASS}"}
+    return {"calibration": "custom_code", "why_not_folded": obstacle or "fold=false"}
+
+
+def _transformers_class(cls: type) -> bool:
+    import transformers
+
+    return getattr(transformers, cls.__name__, None) is cls

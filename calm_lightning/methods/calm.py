@@ -4,7 +4,8 @@ theta = the LoRA adapter tensors, alpha = (d, l) of the logit-adjustment head.
 Lower level  g(alpha, theta) = cross-entropy of the adjusted model on a training batch.
 Upper level  f(alpha, theta) = - mean entropy of the adjusted model on a held-out batch.
 
-One outer step (docs/calm.md):
+One outer step (docs/calm.md; steps 1-3 are `bome.bilevel_gradients`, the direction of step 4
+`bome.bome_direction`):
  1. surrogate theta~ (adapter tensors only, evaluated through `functional_call`: the live
     parameters never move). `per_step` (Algorithm 1): T inner steps from the live theta on this
     batch. `amortized`: one persistent theta~ that keeps descending g(alpha_k, .) by m inner
@@ -25,9 +26,8 @@ gradient and its next inner step at once) and the entropy pass: about 3 passes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -36,7 +36,15 @@ import torch
 from calm_lightning.config_rules import Keys, Number, OneOf
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.base import HEAD_CONFIGURED
-from calm_lightning.methods.bome import bome_direction
+from calm_lightning.methods.bome import (
+    INNER_OPTIMIZERS,
+    BatchLoss,
+    BilevelGradients,
+    InnerStep,
+    PersistentSurrogate,
+    bilevel_gradients,
+    bome_direction,
+)
 from calm_lightning.methods.objectives import (
     adjusted_predictions,
     cross_entropy,
@@ -53,298 +61,12 @@ from calm_lightning.runtime.distributed import GlobalMean
 UPPER_OBJECTIVES = ("auto", "vocab", "options")
 
 
-INNER_OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("per_step", "amortized")
 # The stopping-point variant's switches (docs/calm.md, "CALM with a stopping point"); the first
 # value of each is the paper's form.
 VALUE_FUNCTIONS = ("lower", "joint")  # v = min over theta' of g | min over (theta', alpha')
 LAMBDA_BLOCKS = ("one", "per_block")  # one lambda over (theta, alpha) | one per block
 HEAD_STEPS = ("adamw", "sign")  # the head's optimizer: AdamW | sign descent (AdamW, betas 0)
-LowerLoss = Callable[[list[torch.Tensor] | None, bool], torch.Tensor]
-
-
-@dataclass
-class BilevelGradients:
-    """Both gradients over (theta, alpha), the loss values they came from, and the surrogate."""
-
-    grad_f: list[torch.Tensor | None]
-    grad_q: list[torch.Tensor | None]
-    g: torch.Tensor  # g(alpha, theta)
-    g_surrogate: torch.Tensor  # g(alpha, theta~)
-    f: torch.Tensor  # upper objective (negative entropy)
-    surrogate: list[torch.Tensor] | None = None  # theta~ (detached), when asked to keep it
-
-    @property
-    def q(self) -> torch.Tensor:
-        return self.g - self.g_surrogate
-
-
-def _sub(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    if a is None:
-        return None if b is None else -b
-    return a if b is None else a - b
-
-
-class InnerStep:
-    """The surrogate's update rule: `sgd` (t <- t - rho g) or `adam` (bias-corrected Adam, no
-    weight decay: each element moves by about rho per step, the scale the outer AdamW moves
-    theta by). per_step starts its moments afresh at every outer step; the amortized schedule
-    keeps them with its persistent surrogate (reset on re-synchronisation)."""
-
-    def __init__(
-        self, kind: str, lr: float | Sequence[float], betas=(0.9, 0.95), eps: float = 1e-8
-    ) -> None:
-        """`lr`: one step size, or one per tensor (the joint value function steps the head's
-        copy at the head's own scale)."""
-        if kind not in INNER_OPTIMIZERS:
-            choices = ", ".join(INNER_OPTIMIZERS)
-            raise ConfigError(f"inner_optimizer={kind!r} is not one of {choices}")
-        self.lr = float(lr) if isinstance(lr, int | float) else [float(x) for x in lr]
-        self.kind, self.betas, self.eps = kind, tuple(betas), eps
-        self.count, self.m, self.v = 0, None, None
-
-    def _lrs(self, n: int) -> list[float]:
-        if isinstance(self.lr, float):
-            return [self.lr] * n
-        if len(self.lr) != n:
-            raise ValueError(f"{len(self.lr)} inner step sizes for {n} tensors")
-        return self.lr
-
-    def reset(self) -> None:
-        self.count, self.m, self.v = 0, None, None
-
-    def state(self) -> dict:
-        return {"count": self.count, "m": self.m, "v": self.v}
-
-    def load_state(self, state: dict) -> None:
-        self.count, self.m, self.v = int(state["count"]), state["m"], state["v"]
-
-    @torch.no_grad()
-    def __call__(self, tensors, gradients) -> list[torch.Tensor]:
-        # New tensors every step: the surrogate can never alias the live parameters.
-        lrs = self._lrs(len(tensors))
-        if self.kind == "sgd":
-            return [
-                t.detach() - lr * gr if gr is not None else t.detach().clone()
-                for t, gr, lr in zip(tensors, gradients, lrs, strict=True)
-            ]
-        b1, b2 = self.betas
-        self.count += 1
-        gradients = [
-            torch.zeros_like(t) if g is None else g for t, g in zip(tensors, gradients, strict=True)
-        ]
-        if self.m is None:
-            self.m = [torch.zeros_like(g) for g in gradients]
-            self.v = [torch.zeros_like(g) for g in gradients]
-        out = []
-        c1, c2 = 1 - b1**self.count, 1 - b2**self.count
-        for i, (t, g) in enumerate(zip(tensors, gradients, strict=True)):
-            self.m[i] = b1 * self.m[i] + (1 - b1) * g
-            self.v[i] = b2 * self.v[i] + (1 - b2) * g * g
-            step = (self.m[i] / c1) / ((self.v[i] / c2).sqrt() + self.eps)
-            out.append(t.detach() - lrs[i] * step)
-        return out
-
-
-def bilevel_gradients(
-    theta: Sequence[torch.Tensor],
-    alpha: Sequence[torch.Tensor],
-    lower_loss: LowerLoss,
-    upper_loss: Callable[[], torch.Tensor],
-    inner_steps: int,
-    inner_lr: float,
-    *,
-    inner_losses: Sequence[LowerLoss] | None = None,
-    inner_optimizer: str = "sgd",
-    betas=(0.9, 0.95),
-    keep_surrogate: bool = False,
-    mean: GlobalMean | None = None,
-    persistent: PersistentSurrogate | None = None,
-    joint_value: bool = False,
-    head_inner_lr: float | None = None,
-) -> BilevelGradients:
-    """The gradients of one CALM outer step, independent of what the model is.
-
-    `lower_loss(None, True)` is g(alpha, theta) on the current batch with the live tensors;
-    `lower_loss(s, track)` is g(alpha, s) with surrogate tensors `s` standing in for theta
-    (`track=False`: the surrogate part needs no graph, only the alpha part does).
-    `upper_loss()` is f(alpha, theta).
-
-    Without `persistent` (the per_step schedule, Algorithm 1) theta~ starts at theta and takes
-    one inner step on each of `inner_losses` (None: `inner_steps` steps on `lower_loss`); a
-    first step on `lower_loss` itself reuses pass 1's gradient. With `persistent` (the
-    amortized schedule) theta~ is that object's stored state, see `PersistentSurrogate`; it
-    takes `inner_steps` steps on `lower_loss` per call. The residual is always measured on the
-    current batch: q = g(alpha, theta) - g(alpha, stopgrad theta~).
-
-    Under data parallelism (`mean`, a `GlobalMean`) every loss value and gradient is the
-    global batch's before it is used, each rank weighted by the items its loss averages over
-    (a loss's `count` attribute, e.g. `BatchLoss`): the inner steps, the residual, grad f and
-    so lambda and the direction are the same on every rank and equal one process's on the
-    concatenated batch.
-
-    `joint_value` (a departure from the paper): the value function minimises over the head
-    too, v = min over (theta', alpha') of g, so the surrogate is (theta~, alpha~) (alpha~ steps
-    at `head_inner_lr`, default `inner_lr`) and lower_loss takes theta + alpha surrogate
-    tensors. v no longer depends on alpha: the head's residual gradient is the training
-    cross-entropy's own slope, grad_alpha q = grad_alpha g(alpha, theta), which changes sign at
-    the cross-entropy-optimal head; the surrogate only measures q's value.
-    """
-    if inner_losses is None:
-        if inner_steps < 1:
-            raise ConfigError(f"inner_steps must be >= 1, got {inner_steps}")
-        inner_losses = [lower_loss] * inner_steps
-    inner_losses = list(inner_losses)
-    if not inner_losses:
-        raise ConfigError("a surrogate needs at least one inner step")
-    theta, alpha = list(theta), list(alpha)
-    n_theta = len(theta)
-    # The inner problem's variables: theta (the paper), or theta and the head (joint value).
-    inner_vars = theta + alpha if joint_value else theta
-    n_inner = len(inner_vars)
-    if persistent is not None:
-        step = persistent.step
-    elif joint_value:
-        head_lr = inner_lr if head_inner_lr is None else head_inner_lr
-        step = InnerStep(inner_optimizer, [inner_lr] * n_theta + [head_lr] * len(alpha), betas)
-    else:
-        step = InnerStep(inner_optimizer, inner_lr, betas)
-    # Pass 1 at theta, alpha live: grad_theta g is grad_theta q (and the first inner step's
-    # gradient when that step is on this batch from theta); grad_alpha g(alpha, theta) is the
-    # residual's first alpha term.
-    mean = mean or GlobalMean()
-    g = lower_loss(None, True)
-    grads = torch.autograd.grad(g, theta + alpha, allow_unused=True)
-    g, grads = mean.both(g, grads, _count(lower_loss))
-    g_theta, g_alpha = list(grads[:n_theta]), list(grads[n_theta:])
-
-    measured = None
-    if persistent is not None:
-        persistent.resynced = False
-    if persistent is not None and persistent.tensors is not None:
-        # One pass at the stored theta~ gives the residual, its alpha part and the gradient of
-        # theta~'s next inner step at once (theta~ is measured before it steps on this batch).
-        stored = [t.detach().requires_grad_(True) for t in persistent.tensors]
-        g_stored = lower_loss(stored, True)
-        wrt = stored if joint_value else stored + alpha
-        both = torch.autograd.grad(g_stored, wrt, allow_unused=True)
-        g_stored, both = mean.both(g_stored, both, _count(lower_loss))
-        if float(g - g_stored) >= 0:  # theta~ is ahead of theta: it stands for L*(alpha)
-            measured = (g_stored, None if joint_value else list(both[n_theta:]))
-            surrogate = step(stored, list(both[:n_inner]))
-            for _ in range(len(inner_losses) - 1):
-                surrogate = _inner_step(step, surrogate, lower_loss, mean)
-        else:  # fallen behind the live theta: re-synchronise (fresh inner moments)
-            persistent.resyncs += 1
-            persistent.resynced = True
-        del stored, g_stored, both
-    if measured is None:
-        if persistent is not None:
-            persistent.step.reset()
-        surrogate = [t.detach() for t in inner_vars]
-        for index, loss_fn in enumerate(inner_losses):
-            if index == 0 and loss_fn is lower_loss:
-                # the shared pass: pass 1's gradient is the first inner step's
-                surrogate = step(surrogate, g_theta + g_alpha if joint_value else g_theta)
-            else:
-                surrogate = _inner_step(step, surrogate, loss_fn, mean)
-        if joint_value:  # v's value only: it has no alpha-gradient
-            with torch.no_grad():
-                g_surrogate = mean.value(lower_loss(surrogate, False), _count(lower_loss))
-            g_alpha_surrogate = None
-        else:
-            g_surrogate = lower_loss(surrogate, False)
-            g_alpha_surrogate = (
-                torch.autograd.grad(g_surrogate, alpha, allow_unused=True) if alpha else ()
-            )
-            g_surrogate, g_alpha_surrogate = mean.both(
-                g_surrogate, g_alpha_surrogate, _count(lower_loss)
-            )
-    else:
-        g_surrogate, g_alpha_surrogate = measured
-    if joint_value:
-        grad_q = g_theta + g_alpha
-    else:
-        grad_q = g_theta + [_sub(a, b) for a, b in zip(g_alpha, g_alpha_surrogate, strict=True)]
-    if persistent is not None:
-        persistent.tensors = [t.detach() for t in surrogate]
-    kept = [t.detach() for t in surrogate] if keep_surrogate else None
-    del surrogate, g_alpha, g_alpha_surrogate, step  # free before the entropy pass, the last peak
-    f = upper_loss()
-    grad_f = torch.autograd.grad(f, theta + alpha, allow_unused=True)
-    f, grad_f = mean.both(f, grad_f, _count(upper_loss))
-    return BilevelGradients(grad_f, grad_q, g.detach(), g_surrogate.detach(), f.detach(), kept)
-
-
-def _inner_step(step: InnerStep, surrogate, loss_fn, mean: GlobalMean) -> list[torch.Tensor]:
-    """One inner step of theta~ on `loss_fn` (a pass with a graph over theta~ only)."""
-    for tensor in surrogate:
-        tensor.requires_grad_(True)
-    loss = loss_fn(surrogate, True)
-    gradients = torch.autograd.grad(loss, surrogate, allow_unused=True)
-    return step(surrogate, mean.gradients(gradients, _count(loss_fn)))
-
-
-class PersistentSurrogate:
-    """The amortized schedule's theta~: kept across outer steps, never frozen.
-
-    Each outer step measures q = g(alpha_k, theta_k) - g(alpha_k, theta~) on the current batch
-    with the stored theta~ and then moves theta~ by `inner_steps` steps of the inner optimizer
-    on that batch, its moments kept from step to step: theta~ keeps descending L_tr(., alpha_k)
-    as alpha moves, so q keeps estimating L_tr(theta_k; alpha_k) - L*(alpha_k) (docs/calm.md,
-    "Surrogate schedules") at about one extra pass per outer step. When theta~ has fallen
-    behind (q < 0: the live theta already does better on this batch), it is re-synchronised:
-    theta~ <- theta plus `inner_steps` fresh inner steps (the first reusing pass 1), and q is
-    measured with that.
-    """
-
-    def __init__(self, step: InnerStep) -> None:
-        self.step = step
-        self.tensors: list[torch.Tensor] | None = None
-        self.resyncs = 0  # re-synchronisations so far (the first fit counts as none)
-        self.resynced = False  # whether the last outer step re-synchronised
-
-    def state(self, names: Sequence[str]) -> dict:
-        """Checkpoint state (tensors on the CPU, keyed by adapter names)."""
-        inner = self.step.state()
-        cpu = lambda ts: None if ts is None else [t.detach().cpu() for t in ts]  # noqa: E731
-        return {
-            "tensors": None
-            if self.tensors is None
-            else dict(zip(names, cpu(self.tensors), strict=True)),
-            "inner": {"count": inner["count"], "m": cpu(inner["m"]), "v": cpu(inner["v"])},
-            "resyncs": self.resyncs,
-        }
-
-    def load_state(self, state: dict, theta: Sequence[torch.Tensor], names: Sequence[str]):
-        place = lambda ts: (  # noqa: E731
-            None
-            if ts is None
-            else [t.to(p.device, p.dtype) for t, p in zip(ts, theta, strict=True)]
-        )
-        tensors = state.get("tensors")
-        self.tensors = None if tensors is None else place([tensors[n] for n in names])
-        inner = state["inner"]
-        self.step.load_state(
-            {"count": inner["count"], "m": place(inner["m"]), "v": place(inner["v"])}
-        )
-        self.resyncs = int(state.get("resyncs", 0))
-
-
-def _count(loss_fn) -> int:
-    """Items (tokens, questions) a loss averages over on this rank: its weight in the
-    global mean (1 for plain callables, which only single-process code passes)."""
-    return getattr(loss_fn, "count", 1)
-
-
-class BatchLoss:
-    """A loss on one batch that knows how many items it averages over (`count`)."""
-
-    def __init__(self, fn: Callable, count: int) -> None:
-        self.fn, self.count = fn, int(count)
-
-    def __call__(self, *args):
-        return self.fn(*args)
 
 
 # The direction is written into .grad by hand; fp16 loss scaling would unscale gradients that

@@ -73,6 +73,32 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
     out.mkdir(parents=True, exist_ok=True)
     choices = select(runs, min_accuracy_ratio)
     failed = [r for r in runs if r.error]
+    lines = _report_lines(runs, choices, failed, min_accuracy_ratio)
+    retention = retention_rows(choices, runs)
+    if retention:
+        lines += ["", retention_markdown(retention)]
+        write_retention_csv(retention, out / "retention.csv")
+    if failed:
+        lines += ["", "## Failed or unfinished runs", ""]
+        lines += [f"- `{r.path}`: {r.error}" for r in failed]
+    markdown = "\n".join(lines) + "\n"
+    (out / "report.md").write_text(markdown)
+    _write_results_csv(runs, out / "results.csv")
+    _write_selected_csv(choices, out / "selected.csv")
+    grid = reliability_grid(choices, out / "reliability_grid.png")
+    return {
+        "choices": choices,
+        "failed": failed,
+        "grid": grid,
+        "markdown": markdown,
+        "retention": bool(retention),
+    }
+
+
+def _report_lines(
+    runs: list[Run], choices: list[Choice], failed: list[Run], min_accuracy_ratio: float
+) -> list[str]:
+    """report.md's header, the tables and the selected hyper-parameters."""
     lines = [
         "# Results",
         "",
@@ -95,16 +121,12 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
             f"| {c.model} | {c.setting} | {c.method} | {params} | {key} | "
             f"{c.mean[key]:.4f} | {100 * c.mean['accuracy']:.2f}% |"
         )
-    retention = retention_rows(choices, runs)
-    if retention:
-        lines += ["", retention_markdown(retention)]
-        write_retention_csv(retention, out / "retention.csv")
-    if failed:
-        lines += ["", "## Failed or unfinished runs", ""]
-        lines += [f"- `{r.path}`: {r.error}" for r in failed]
-    markdown = "\n".join(lines) + "\n"
-    (out / "report.md").write_text(markdown)
-    with (out / "results.csv").open("w", newline="") as handle:
+    return lines
+
+
+def _write_results_csv(runs: list[Run], path: Path) -> None:
+    """One row per run: its hyper-parameters, status and every metric."""
+    with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(
             [
@@ -132,7 +154,11 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                     *[m.get(k, "") for k in results_csv_keys()],
                 ]
             )
-    with (out / "selected.csv").open("w", newline="") as handle:
+
+
+def _write_selected_csv(choices: list[Choice], path: Path) -> None:
+    """One row per choice: mean and std of every reported metric over its seeds."""
+    with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(
             [
@@ -161,14 +187,6 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
                     ],
                 ]
             )
-    grid = reliability_grid(choices, out / "reliability_grid.png")
-    return {
-        "choices": choices,
-        "failed": failed,
-        "grid": grid,
-        "markdown": markdown,
-        "retention": bool(retention),
-    }
 
 
 def reliability_grid(choices: list[Choice], path: Path) -> Path | None:

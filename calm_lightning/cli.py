@@ -1,0 +1,203 @@
+"""`python -m calm_lightning <command>` (also `calm-lightning <command>`): the project's one
+command line.
+
+`run` hands the rest of its command line to the Hydra app unchanged (`group=option key=value`,
+`--multirun`, Hydra's `--help`). The other commands are argparse subcommands: the module that
+does the work (report.py, plan.py, export.py, retention.py, acceptance.py) adds its arguments
+(`add_arguments(parser)`) and runs them (`command(args, parser)`); `python -m
+calm_lightning.<module>` runs the same code. A user error (a `CalmLightningError`) prints its
+message without a traceback and exits 1, whichever command raised it. Booleans and lists read
+the same everywhere (`parse_bool`, `parse_list`), as do the key=value arguments of export and
+retention (`key_value_arguments`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+
+from calm_lightning.errors import CalmLightningError, ConfigError
+
+TRUE_WORDS = ("true", "1", "yes")
+FALSE_WORDS = ("false", "0", "no")
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: the module that does the work and its line in `--help`."""
+
+    module: str
+    summary: str
+    logs_progress: bool = False  # show the project's INFO log lines (long single actions)
+
+
+COMMANDS = {
+    "run": Command(
+        "calm_lightning.run", "run a job or a sweep (Hydra: group=option key=value, --multirun)"
+    ),
+    "report": Command(
+        "calm_lightning.report", "tables, chosen hyper-parameters and figures from finished runs"
+    ),
+    "plan": Command(
+        "calm_lightning.plan", "a sweep's jobs and their estimated cost, before it runs"
+    ),
+    "export": Command(
+        "calm_lightning.export", "a finished run as a Hugging Face model folder", logs_progress=True
+    ),
+    "retention": Command(
+        "calm_lightning.retention",
+        "lm-eval retention of a saved run or an exported folder",
+        logs_progress=True,
+    ),
+    "check": Command(
+        "calm_lightning.acceptance", "the offline GPU acceptance checks (--cpu: on the CPU)"
+    ),
+}
+
+
+def parse_bool(value: str | bool, name: str) -> bool:
+    """`true` / `false` (or 1 / 0, yes / no, in any case) as a bool; `name` is the argument
+    the error message names."""
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered in TRUE_WORDS:
+        return True
+    if lowered in FALSE_WORDS:
+        return False
+    raise ConfigError(f"{name}={value!r} is not true or false")
+
+
+def parse_list(value: str | list | tuple, name: str) -> list[str]:
+    """`[a,b]` or `a,b` (one item: `a`) as a list of strings; items lose surrounding spaces and
+    quotes, and empty items are dropped (`[]` is the empty list)."""
+    if isinstance(value, list | tuple):
+        return [str(item) for item in value]
+    text = str(value).strip()
+    if text.startswith("[") != text.endswith("]"):
+        raise ConfigError(f"{name}={value!r} is not a list: write [a,b] or a,b")
+    if text.startswith("["):
+        text = text[1:-1]
+    items = []
+    for item in text.split(","):
+        item = item.strip()
+        if len(item) >= 2 and item[0] == item[-1] and item[0] in "'\"":
+            item = item[1:-1]
+        if item:
+            items.append(item)
+    return items
+
+
+def key_value_arguments(
+    argv: list[str], keys: tuple[str, ...], usage: str, nested: tuple[str, ...] = ()
+) -> dict[str, str]:
+    """`key=value` arguments (the look of a run's command line) as a dict of strings; a key in
+    `nested` is given per name (`data_files.piqa=...`). Anything else stops with the usage."""
+    values: dict[str, str] = {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        head, dot, name = key.partition(".")
+        known = (key in keys and key not in nested) or (head in nested and dot and name)
+        if not sep or not known:
+            raise ConfigError(
+                f"unknown argument {arg!r} (arguments are key=value, keys: "
+                f"{', '.join(keys)})\n{usage}"
+            )
+        values[key] = value
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m calm_lightning <command> ...`; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "run":
+        return run_hydra_app(argv[1:])
+    parser = build_parser(argv[0] if argv else None)
+    args = parser.parse_args(argv)
+    return _invoke(COMMANDS[args.command], args.module, args, args.command_parser)
+
+
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only the `selected` command's module is imported (the others'
+    entries are their `--help` line), so `--help` costs no heavy import."""
+    parser = argparse.ArgumentParser(
+        prog=_prog(),
+        description=__doc__.split("\n\n")[0],
+        epilog="`<command> --help` shows a command's arguments (for `run`, Hydra's help: the "
+        "config groups and their options).",
+    )
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="<command>", title="commands"
+    )
+    for name, command in COMMANDS.items():
+        sub = commands.add_parser(name, help=command.summary, description=command.summary)
+        if name == selected and name != "run":
+            module = importlib.import_module(command.module)
+            _describe(sub, module)
+            sub.set_defaults(module=module, command_parser=sub)
+    return parser
+
+
+def command_main(name: str, argv: list[str] | None = None) -> int:
+    """`python -m calm_lightning.<module>`: the command `name` under the module's own name."""
+    command = COMMANDS[name]
+    module = importlib.import_module(command.module)
+    parser = argparse.ArgumentParser(prog=f"python -m {command.module}")
+    _describe(parser, module)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return _invoke(command, module, args, parser)
+
+
+def _describe(parser: argparse.ArgumentParser, module) -> None:
+    """The module's first docstring paragraph as the description, then its arguments."""
+    parser.description = module.__doc__.split("\n\n")[0]
+    module.add_arguments(parser)
+
+
+def _invoke(command: Command, module, args: argparse.Namespace, parser) -> int:
+    """Run the command; a user error prints its message without a traceback (exit 1;
+    HYDRA_FULL_ERROR=1 shows the traceback, as for a run)."""
+    if command.logs_progress:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    try:
+        return module.command(args, parser)
+    except CalmLightningError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"\nerror: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def run_hydra_app(args: list[str]) -> int:
+    """`run`: the Hydra app with `args` as its whole command line, as `python -m
+    calm_lightning.run args...` would run it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("calm_lightning.run")
+    entry = sys.modules["__main__"]
+    saved = sys.argv, getattr(entry, "__spec__", None)
+    # Hydra reads sys.argv. Lightning's DDP launcher starts each further process as `python -m
+    # <__main__.__spec__.name> <sys.argv[1:]>`, and multiprocessing's spawn imports the same
+    # module: both must see calm_lightning.run, as if it had been started directly.
+    sys.argv = [spec.origin, *args]
+    entry.__spec__ = spec
+    try:
+        from calm_lightning.run import main as hydra_app
+
+        hydra_app()
+    finally:
+        sys.argv, entry.__spec__ = saved
+    return 0
+
+
+def _prog() -> str:
+    """How the user called us, for the usage line."""
+    called = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if not called or called == "__main__.py" or called.startswith("-"):  # -m, -c
+        return "python -m calm_lightning"
+    return called
