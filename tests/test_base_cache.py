@@ -143,6 +143,7 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+@pytest.mark.integration
 def test_jobs_read_the_base_row_and_match_an_uncached_run(tmp_path, compose):
     shared = [*TINY_CALM, f"evaluation.base_cache_dir={tmp_path / 'sweep'}"]
     records = {}
@@ -207,6 +208,7 @@ def test_multirun_of_three_jobs_evaluates_the_base_once(tmp_path):
     assert len([p for p in (tmp_path / "sweep" / BASE_CACHE_DIR).iterdir() if p.is_dir()]) == 2
 
 
+@pytest.mark.integration
 def test_the_base_retention_row_is_read_by_the_next_job(tmp_path, compose):
     pytest.importorskip("lm_eval")
     hub = Path(__file__).parent / "fixtures" / "hub"

@@ -193,6 +193,7 @@ DEMO = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("method", "extra"),
     [
@@ -217,6 +218,7 @@ def test_methods_run_end_to_end_on_demo(tmp_path, method, extra, compose):
         assert metrics["accuracy"] == saved["comparison"]["base"]["accuracy"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["ls", "ts", "reg"])
 def test_methods_run_in_the_id_setting(tmp_path, method, compose, id_overrides):
     cfg = compose(

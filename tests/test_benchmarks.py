@@ -39,6 +39,7 @@ def _lora_parameters(model, r: int) -> int:
     )
 
 
+@pytest.mark.integration
 def test_calm_step_benchmark_runs_on_the_tiny_model_and_writes_its_costs(tmp_path):
     out = _run(
         "calm_step.py",
@@ -79,6 +80,7 @@ def test_calm_step_benchmark_runs_on_a_random_shape_with_both_schedules(tmp_path
     assert plain["parameters"] - plain["trainable"] == costs["shape_parameters"]
 
 
+@pytest.mark.integration
 def test_calm_epoch_benchmark_runs_on_the_tiny_model():
     out = _run(
         "calm_step.py",
@@ -89,6 +91,7 @@ def test_calm_epoch_benchmark_runs_on_the_tiny_model():
     assert any("amortized ratio" in line for line in out.splitlines())
 
 
+@pytest.mark.integration
 def test_sampling_benchmark_runs_on_the_tiny_model():
     out = _run(
         "sampling.py",
@@ -97,6 +100,7 @@ def test_sampling_benchmark_runs_on_the_tiny_model():
     assert "speed-up vs 3 generate calls" in out
 
 
+@pytest.mark.integration
 def test_cloze_scoring_benchmark_runs_on_the_tiny_model():
     out = _run(
         "cloze_scoring.py",
@@ -107,6 +111,7 @@ def test_cloze_scoring_benchmark_runs_on_the_tiny_model():
     assert difference < 1e-4
 
 
+@pytest.mark.integration
 def test_calm_runs_summary_reads_a_real_run(tmp_path, compose):
     import json
 
@@ -129,6 +134,7 @@ def test_calm_runs_summary_reads_a_real_run(tmp_path, compose):
     assert "| tiny (n=2) |" in table  # seeds grouped by label
 
 
+@pytest.mark.integration
 def test_reference_prompt_benchmark_records_the_known_temperature(tmp_path):
     import json
 
@@ -155,6 +161,7 @@ def test_base_cache_benchmark_runs_on_the_tiny_model():
     assert "base rows byte-identical with and without the cache: True" in out
 
 
+@pytest.mark.integration
 def test_known_miscalibration_renders_mean_and_sample_std_and_the_by_k_figure(tmp_path):
     import numpy as np
 
@@ -185,6 +192,7 @@ def test_known_miscalibration_renders_mean_and_sample_std_and_the_by_k_figure(tm
     assert not (tmp_path / "km.png").exists()  # no run folders: no reliability diagrams
 
 
+@pytest.mark.integration
 def test_temperature_profile_at_s_equal_k_is_the_pipelines_k_scaled_base(compose, tmp_path):
     """One pass of the unscaled model gives the option probabilities at any scale s; at s = k
     they must be what the pipeline scores for the model whose final norm weight is x k."""
@@ -213,6 +221,7 @@ def test_temperature_profile_at_s_equal_k_is_the_pipelines_k_scaled_base(compose
     assert np.abs(probs[0] - probs[1]).max() > 1e-2  # the scale matters
 
 
+@pytest.mark.integration
 def test_paired_bootstrap_matches_a_hand_resampled_difference(tmp_path):
     """The script's standard error of conf-ECE(b) − conf-ECE(a) is the spread of that
     difference over questions resampled with replacement, the same questions for both runs."""

@@ -127,6 +127,7 @@ def test_each_command_has_its_own_help(name, capsys):
     assert printed.startswith("usage: ") and f" {name} [-h]" in printed.splitlines()[0]
 
 
+@pytest.mark.integration
 def test_only_the_chosen_commands_module_is_imported():
     code = (
         "import json, sys; from calm_lightning.cli import build_parser; build_parser('plan');"

@@ -153,6 +153,7 @@ def test_an_unknown_scoring_is_refused(compose, tmp_path):
         method_class(cfg).check_requirements(cfg, {})
 
 
+@pytest.mark.integration
 def test_base_runs_in_cloze_mode_and_reports_acc_norm(compose, tmp_path):
     from calm_lightning.pipeline import run_experiment
 
@@ -174,6 +175,7 @@ def test_base_runs_in_cloze_mode_and_reports_acc_norm(compose, tmp_path):
     assert all(abs(sum(r["probs"]) - 1) < 1e-5 for r in rows)
 
 
+@pytest.mark.integration
 def test_ts_fits_on_the_cloze_distribution_in_the_id_setting(compose, tmp_path, id_overrides):
     from calm_lightning.pipeline import run_experiment
 

@@ -198,6 +198,7 @@ def test_methods_that_cannot_score_by_option_likelihood_say_why(method, compose,
     assert "use evaluation.scoring=letter" in str(error.value)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["calm", "reg", "ls", "cft", "iterate"])
 def test_training_methods_train_and_evaluate_in_cloze_mode(method, compose, tmp_path, id_overrides):
     from calm_lightning.pipeline import run_experiment

@@ -233,6 +233,7 @@ BAD_COMMANDS = [
 ]
 
 
+@pytest.mark.integration
 def test_the_command_line_refuses_without_a_traceback_and_writes_nothing(tmp_path):
     """The default model and method (the embedded SmolLM2, CALM): exit 1 with the key, no
     traceback, and no config, logs or model in the run folder."""

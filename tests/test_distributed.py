@@ -158,6 +158,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.integration
 def test_two_processes_give_the_single_process_bilevel_gradients(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
@@ -325,6 +326,7 @@ def _guarded_worker(rank: int, port: int, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.integration
 def test_every_collective_takes_its_tensors_on_the_backends_device(tmp_path):
     # The helpers under the guard, their tensors made under a meta default device: any tensor
     # a collective is handed off the backend's device (the CPU for gloo) fails, as on NCCL.
@@ -393,6 +395,7 @@ def test_only_the_distributed_module_calls_collectives():
     assert not [c for found in calls.values() for c in found]
 
 
+@pytest.mark.integration
 def test_a_training_step_hands_collectives_the_backends_device(tmp_path):
     # The bug this guards against: reg's non-finite check all-reduced a tensor made on the
     # default device (the CPU), which NCCL refuses at the first step under DDP and FSDP.
@@ -440,6 +443,7 @@ def _predictions(run: Path) -> list[dict]:
     return [json.loads(r) for r in (run / "predictions.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "method,extra",
     [
@@ -487,6 +491,7 @@ def _same_predictions(a: Path, b: Path) -> None:
     assert ra == rb
 
 
+@pytest.mark.integration
 def test_distributed_mcqa_evaluation_and_posthoc_fit_equal_one_process(tmp_path):
     # 40 questions in batches of 16: rank 0 scores batches 0 and 2, rank 1 batch 1
     common = [*TINY, "method=ts", "setting.test.limit=40"]  # T fitted on the held-out split
@@ -499,6 +504,7 @@ def test_distributed_mcqa_evaluation_and_posthoc_fit_equal_one_process(tmp_path)
     assert a["posthoc"]["temperature"] == pytest.approx(b["posthoc"]["temperature"], rel=1e-9)
 
 
+@pytest.mark.integration
 def test_daca_under_ddp_fits_the_single_process_temperature_and_writes_one_cache(tmp_path):
     # DACA's pass runs the PoLM and the PLM's logit lens on every process; one writes the cache
     common = [
@@ -520,6 +526,7 @@ def test_daca_under_ddp_fits_the_single_process_temperature_and_writes_one_cache
     assert not list((tmp_path / "c2").rglob("*.tmp"))
 
 
+@pytest.mark.integration
 def test_distributed_openqa_samples_do_not_depend_on_the_world_size(tmp_path, gen_ood):
     common = [*gen_ood("method=base"), "logger=none", "evaluation.openqa.n_samples=4"]
     _cli(tmp_path / "ddp", *common, *DDP)
@@ -531,6 +538,7 @@ def test_distributed_openqa_samples_do_not_depend_on_the_world_size(tmp_path, ge
 RUNS = ("full", "resumed")
 
 
+@pytest.mark.integration
 def test_kill_and_resume_under_ddp_equals_the_uninterrupted_run(tmp_path, resume_overrides):
     # test_resume's run, on 2 processes
     common = [
@@ -608,6 +616,7 @@ def test_multi_node_slurm_config_composes(tmp_path, compose):
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 
 
+@pytest.mark.integration
 def test_gpu_check_distributed_jobs_compose_and_pass_requirements(compose):
     from calm_lightning.acceptance import distributed_job
     from calm_lightning.pipeline import build_datamodule, method_class
@@ -622,6 +631,7 @@ def test_gpu_check_distributed_jobs_compose_and_pass_requirements(compose):
         assert cfg.trainer.devices == 2 and cfg.model.tokenizer == "bytes"
 
 
+@pytest.mark.integration
 def test_gpu_check_script_refuses_bad_arguments_and_machines_without_a_gpu():
     bad = subprocess.run(["bash", str(GPU_CHECK), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument" in bad.stderr
@@ -635,6 +645,7 @@ def test_gpu_check_script_refuses_bad_arguments_and_machines_without_a_gpu():
     assert done.returncode == 1 and "FAIL cuda: no CUDA GPU" in done.stdout
 
 
+@pytest.mark.integration
 def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     """`bash scripts/gpu_check.sh --cpu`: the GPU acceptance checks on the CPU, offline, with
     the byte-level tokenizer (no embedded-model wheel needed)."""

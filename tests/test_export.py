@@ -111,6 +111,7 @@ def exported(calm_run, tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.mark.integration
 def test_exported_folder_scores_like_the_run_with_plain_transformers(calm_run, exported, tmp_path):
     records = EmbeddedDemoSource("mcqa", "test", limit=N_TEST).load()
     questions = tmp_path / "questions.json"
@@ -313,6 +314,7 @@ def test_temperature_only_export_divides_the_base_logits_by_t(ts_run, tmp_path):
     np.testing.assert_allclose(np.array(probs), _predictions(run_dir)[:6], atol=1e-5)
 
 
+@pytest.mark.integration
 def test_adapter_only_method_exports_without_head_and_in_another_dtype(calm_run, tmp_path, compose):
     """reg / ls / cft train adapters only: no head file, an identity processor. Built from
     the CALM run's files (its adapter, no head) under a reg config, without training again."""
@@ -459,6 +461,7 @@ def test_arguments(tmp_path, capsys):
     assert "merge='perhaps' is not true or false" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_command_line_prints_the_error_without_traceback(tmp_path):
     done = subprocess.run(
         [
@@ -478,6 +481,7 @@ def test_command_line_prints_the_error_without_traceback(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.integration
 def test_a_cloze_run_exports_its_scoring_and_load_calibrated_reproduces_it(tmp_path, compose):
     """A cloze-scored CALM run: calibration.json says how options were scored, and
     load_calibrated's option probabilities equal the run's predictions (cloze path)."""
@@ -591,6 +595,7 @@ def _project_logits(calibrated):
     return logits_fn
 
 
+@pytest.mark.integration
 def test_a_temperature_run_folds_into_the_weights_and_serves_without_the_project(ts_run, tmp_path):
     """Must-show: a folded TS export, loaded by plain AutoModelForCausalLM where `import
     calm_lightning` fails, gives the calibrated next-token distribution (base / T)."""

@@ -123,6 +123,7 @@ def _check_question_file(directory: Path, n_samples: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.integration
 def test_gen_ood_base_and_calm_end_to_end(tmp_path, compose, gen_ood):
     cfg = compose(gen_ood("method=calm", "method.epochs=1"), tmp_path)
     metrics = run_experiment(cfg).metrics
@@ -143,6 +144,7 @@ def test_gen_ood_base_and_calm_end_to_end(tmp_path, compose, gen_ood):
     assert (head["scale"] != 1).any() and (head["bias"] != 0).any()
 
 
+@pytest.mark.integration
 def test_gen_ood_sampling_is_reproducible(tmp_path, compose, gen_ood):
     cfg = compose(gen_ood("method=base", "clusterer=exact"), tmp_path / "a")
     run_experiment(cfg)
@@ -158,6 +160,7 @@ def test_gen_ood_sampling_is_reproducible(tmp_path, compose, gen_ood):
     assert sampling["confidence"] == "split_half"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["ls", "reg", "cft", "iterate", "ts"])
 def test_gen_ood_baselines_run(tmp_path, method, compose, gen_ood):
     cfg = compose(gen_ood(f"method={method}", "trainer.max_epochs=1"), tmp_path)

@@ -55,6 +55,7 @@ def _check_run_outputs(run_dir: Path, metrics: dict, n: int) -> None:
     assert json.loads((run_dir / "data_summary.json").read_text())["test"]["n"] == n
 
 
+@pytest.mark.integration
 def test_base_run_on_the_tiny_model(tmp_path, capsys, compose):
     cfg = compose(TINY_BASE, tmp_path)
     metrics = run_experiment(cfg).metrics
@@ -69,6 +70,7 @@ def test_base_run_on_the_tiny_model(tmp_path, capsys, compose):
     assert "conf-ECE" in printed and f"{metrics['conf_ece']:.4f}" in printed
 
 
+@pytest.mark.integration
 def test_calm_run_on_the_tiny_model_reports_base_and_calm(tmp_path, capsys, compose):
     from calm_lightning.data.collate import MCQACollator
     from calm_lightning.evaluation.mcqa import option_token_candidates, score_options
@@ -105,6 +107,7 @@ def test_calm_run_on_the_tiny_model_reports_base_and_calm(tmp_path, capsys, comp
     np.testing.assert_allclose(probs.numpy(), expected, atol=1e-5)
 
 
+@pytest.mark.integration
 def test_command_line_entry_point(tmp_path):
     """`python -m calm_lightning.run` with Hydra's own output dir handling."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -124,6 +127,7 @@ def test_command_line_entry_point(tmp_path):
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
 
 
+@pytest.mark.integration
 def test_command_line_rejects_unknown_option_with_choices(tmp_path):
     args = [
         sys.executable,

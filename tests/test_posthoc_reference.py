@@ -48,6 +48,7 @@ def _with_cache(tmp_path: Path) -> list[str]:
 SAME_INPUT = "method.module.reference_prompt=chat"
 
 
+@pytest.mark.integration
 def test_daca_and_dual_align_recover_the_known_temperature(tmp_path, compose):
     results = {}
     for method in ("daca", "dual_align"):
@@ -73,6 +74,7 @@ def test_daca_and_dual_align_recover_the_known_temperature(tmp_path, compose):
     assert 0 <= results["dual_align"]["posthoc"]["mean_weight"] < 1
 
 
+@pytest.mark.integration
 def test_base_and_posthoc_methods_test_the_same_questions(tmp_path, compose):
     ids = {}
     for method in ("base", "ic"):
@@ -94,6 +96,7 @@ def test_reference_methods_refuse_without_a_reference_model(tmp_path, monkeypatc
         run_experiment(compose(overrides, tmp_path))
 
 
+@pytest.mark.integration
 def test_option_token_disagreement_fails_clearly(tmp_path, monkeypatch, compose):
     import calm_lightning.methods.reference_temperature as reference
     from calm_lightning.evaluation.mcqa import OptionTokens
@@ -108,6 +111,7 @@ def test_option_token_disagreement_fails_clearly(tmp_path, monkeypatch, compose)
         run_experiment(cfg)
 
 
+@pytest.mark.integration
 def test_dual_align_on_mmlu_fixture_files(tmp_path, compose):
     overrides = [
         o
@@ -153,6 +157,7 @@ def _record_plm_inputs(monkeypatch, quantized: bool = False) -> list[list[int]]:
     return seen
 
 
+@pytest.mark.integration
 def test_reference_prompt_decides_what_the_plm_reads(
     tmp_path, monkeypatch, compose, caplog, tokenizer
 ):
@@ -200,6 +205,7 @@ def test_a_quantized_polm_warns_that_numbers_are_not_comparable(tiny_loaded, cap
     assert "PoLM" in caplog.text and "model.quantization=none" in caplog.text
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["ic", "cape", "elicitation"])
 def test_confidence_methods_run_end_to_end(tmp_path, method, compose):
     extra = ["setting.test.source.limit=20"]
@@ -292,6 +298,7 @@ def test_answer_letter_parser(text, expected):
     assert parse_answer_letter(text, "ABCD") == expected
 
 
+@pytest.mark.integration
 def test_ts_oracle_fits_on_the_whole_fit_part(tmp_path, compose):
     overrides = [o for o in _pair("ts", tmp_path) if not o.startswith("reference_")]
     metrics = run_experiment(compose(overrides, tmp_path)).metrics
@@ -322,6 +329,7 @@ def test_dual_align_with_the_embedded_model_as_polm(tmp_path, compose):
     assert metrics["accuracy"] == payload["comparison"]["base"]["accuracy"]
 
 
+@pytest.mark.integration
 def test_posthoc_sweep_and_report_give_mean_and_std_over_seeds(tmp_path):
     """The posthoc_reference grid (cut to two methods x two seeds) through Hydra's launcher,
     then the reporter: one row per method, averaged over the seeds, with MCE / ACE / Brier."""

@@ -96,6 +96,7 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused(monkeypatch):
         load_language_model({"source": "tiny", "shape": "narrow", "tokenizer": "bytes"})
 
 
+@pytest.mark.integration
 def test_an_unknown_shape_stops_the_run_before_the_model_loads(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     done = subprocess.run(

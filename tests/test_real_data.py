@@ -216,6 +216,7 @@ def test_hub_unavailable_offline_names_dataset_and_remedies(tmp_path, monkeypatc
     assert "HF_HOME" in message and "load_dataset" in message
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("overrides", ["ood_overrides", "id_overrides"])
 def test_base_runs_end_to_end_on_local_hub_schema_files(tmp_path, compose, request, overrides):
     cfg = compose(

@@ -136,6 +136,7 @@ def test_seeds_are_averaged_and_tables_equal_the_inputs(tmp_path, capsys):
     assert statuses == ["failed: ValueError: bad", "ok", "ok"]
 
 
+@pytest.mark.integration
 def test_tiny_multirun_sweep_with_a_failing_job_then_report(tmp_path):
     """A 2 x 2 grid through Hydra's basic launcher; one job gets an invalid head kind."""
     args = [

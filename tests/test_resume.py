@@ -39,6 +39,7 @@ AMORTIZED = [
 PER_STEP = ["method.module.surrogate.schedule=per_step"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("extra", [PER_STEP, AMORTIZED], ids=["per_step", "amortized"])
 def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, compose, resume_overrides, extra):
     run = [*resume_overrides, *extra]

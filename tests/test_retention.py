@@ -230,6 +230,7 @@ def test_a_run_without_the_data_stops_before_any_model_loads(compose, tmp_path, 
         pipeline.run_experiment(cfg)
 
 
+@pytest.mark.integration
 def test_a_method_that_does_not_change_the_model_writes_the_base_row_only(compose, tmp_path):
     from calm_lightning.pipeline import run_experiment
 
@@ -282,6 +283,7 @@ def test_default_config_runs_no_retention_and_overrides_reach_the_settings(compo
     assert settings.data_files == {"piqa": (str(HUB / "piqa.jsonl"),)} and settings.n_bins == 7
 
 
+@pytest.mark.integration
 def test_importing_the_package_and_the_pipeline_does_not_import_lm_eval():
     code = (
         "import sys, calm_lightning, calm_lightning.evaluation.lm_eval_retention;"
@@ -327,6 +329,7 @@ def _samples(path: Path) -> list[list[float]]:
     return [json.loads(line)["loglikelihoods"] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.integration
 def test_a_calm_run_writes_base_and_calm_retention_rows(calm_run, tiny_loaded, capsys):
     payload = json.loads((calm_run / "retention.json").read_text())
     assert set(payload["rows"]) == {"base", "calm"}
@@ -356,6 +359,7 @@ def test_a_calm_run_writes_base_and_calm_retention_rows(calm_run, tiny_loaded, c
     assert timings["retention_base_s"] > 0 and timings["retention_s"] > 0
 
 
+@pytest.mark.integration
 def test_the_saved_run_entry_reproduces_the_runs_rows(calm_run, tmp_path, capsys):
     from calm_lightning.retention import main
 
@@ -388,6 +392,7 @@ def test_the_saved_run_entry_reproduces_the_runs_rows(calm_run, tmp_path, capsys
     assert "overwrite=true" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_the_saved_run_entry_refuses_bad_arguments(calm_run, capsys):
     from calm_lightning.retention import main
 
@@ -397,6 +402,7 @@ def test_the_saved_run_entry_refuses_bad_arguments(calm_run, capsys):
     assert "missing run_dir=" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_the_report_has_a_retention_table(calm_run, tmp_path):
     from calm_lightning.reporting.collect import collect_runs
     from calm_lightning.reporting.render import write_report

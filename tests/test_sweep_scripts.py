@@ -66,6 +66,7 @@ def test_the_paper_scripts_are_there():
     assert not os.access(SWEEPS / "lib.sh", os.X_OK)  # sourced, not run
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_script_parses_and_its_help_names_its_table_and_grids(script):
     assert os.access(script, os.X_OK), f"{script.name} is not executable"
@@ -87,6 +88,7 @@ def test_every_grid_a_script_uses_exists(script):
     assert not missing, f"{script.name}: no conf/sweep/<name>.yaml for {missing}"
 
 
+@pytest.mark.integration
 def test_bad_arguments_and_a_run_that_cannot_start_stop_the_script(tmp_path):
     script = SWEEPS / "table12_head_ablation.sh"
     for args in (["--bogus"], ["model=tiny"], ["notakeyvalue"], ["--model"]):
@@ -111,6 +113,7 @@ def _jobs_in_grid(grid: str) -> int:
     return math.prod(len(str(values).split(",")) for values in params.values())
 
 
+@pytest.mark.integration
 def test_head_ablation_script_end_to_end_on_the_tiny_model(tmp_path):
     """The smallest comparison script: its grid into <out>/<model>/<grid>, then one report."""
     out = tmp_path / "t12"

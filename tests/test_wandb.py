@@ -58,6 +58,7 @@ def _values(records, kind: str) -> dict:
     return out
 
 
+@pytest.mark.integration
 def test_offline_wandb_run_holds_metrics_config_image_and_table(tmp_path, monkeypatch, compose):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -89,6 +90,7 @@ def test_offline_wandb_run_holds_metrics_config_image_and_table(tmp_path, monkey
     assert len(json.loads(table.read_text())["data"]) == 8
 
 
+@pytest.mark.integration
 def test_open_qa_run_publishes_sem_ece_and_the_question_table(
     tmp_path, monkeypatch, compose, gen_ood
 ):
