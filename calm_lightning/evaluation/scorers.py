@@ -8,31 +8,44 @@ Two implementations of one interface, chosen once from the config (`scorer_from_
   log-likelihood as the continuation of the question (evaluation/cloze.py).
 
 Methods, the training objectives, temperature fitting, the data module and the export ask the
-scorer (its option logits, the objective mode that reads its option distribution, how MCQA
-records train, how to fit a temperature on its distribution, its prompt format) instead of
-testing a flag.
+scorer (its option logits, the option distribution of a training batch, how MCQA records
+train, how to fit a temperature on its distribution, its prompt format) instead of testing a
+flag.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from calm_lightning.calibrators.temperature import BOUNDS, TemperatureFit, fit_temperature
-from calm_lightning.data.cloze_batches import PROMPTS
+from calm_lightning.data.cloze_batches import PROMPTS, ClozeTrainingCollator
+from calm_lightning.data.collate import select_response_logits
 from calm_lightning.data.prompts import OPTION_LETTERS
-from calm_lightning.evaluation.cloze import NORMALIZE, ClozeScores, score_cloze
+from calm_lightning.evaluation.cloze import NORMALIZE, ClozeScores, cloze_predictions, score_cloze
 from calm_lightning.evaluation.mcqa import (
     STYLES,
     OptionTokens,
+    answer_slot_rows,
     choose_option_tokens,
+    option_token_candidates,
     score_options,
 )
 from calm_lightning.runtime.config_checks import Number, OneOf, check_values
 
 # Stands in for the letter tokens in the result files of a cloze evaluation.
 CLOZE_OPTION_TOKENS = OptionTokens("cloze", (), OPTION_LETTERS)
+
+
+class OptionPredictions(NamedTuple):
+    """An MCQA training batch on the option distribution evaluation scores (differentiable)."""
+
+    logits: torch.Tensor  # (B, K) adjusted option logits, fp32
+    targets: torch.Tensor  # (B,) gold option index
+    answer_ce: torch.Tensor | None = None  # the answer's cross-entropy, when asked or free
+    answer_tokens: int = 0  # tokens answer_ce averages over (0 without it)
 
 
 class MCQAScorer:
@@ -43,10 +56,12 @@ class MCQAScorer:
     # Rules of the scorer's own config keys (under `evaluation`, or `evaluation.cloze`), the
     # ones the config check applies before any model loads.
     rules: ClassVar[dict] = {}
-    # The objectives' mode that reads the option distribution this scorer evaluates.
-    option_mode: ClassVar[str]
     # What `fit_on` records in metrics.json after a temperature fit on MCQA held-out data.
     fitted_on: ClassVar[str]
+    # Whether the answer of an MCQA training example is one option of the option distribution
+    # (the letter: a lower level's cross-entropy is the option distribution's) or a text whose
+    # tokens a lower level trains over the vocabulary (cloze).
+    answer_is_option: ClassVar[bool]
     # The option letters' spelling (letter targets of training objectives; `auto` asks the model).
     option_token_style: str = "auto"
     # How many test questions `auto` probes for the spelling.
@@ -76,6 +91,18 @@ class MCQAScorer:
         """Metrics beyond the calibration report, from the side choices `option_logits` made."""
         return {}
 
+    def training_option_ids(self, tokenizer) -> torch.Tensor | None:
+        """The option letters' token ids as training targets spell them (None: not read)."""
+        return None
+
+    def training_logits(
+        self, model, batch: dict, option_ids=None, params=None, answer_ce: bool = False
+    ) -> OptionPredictions:
+        """A training or held-out batch on this scorer's option distribution, with gradients
+        (`params` as in `CalibratedLM.raw_logits`); `answer_ce` asks for the answer's
+        cross-entropy from the same forward."""
+        raise NotImplementedError
+
     def temperature_rows(self, module, batch: dict):
         """What a temperature fit keeps of one held-out batch (on the model's own logits)."""
         raise NotImplementedError
@@ -100,8 +127,8 @@ class MCQAScorer:
 
 class LetterScorer(MCQAScorer):
     name = "letter"
-    option_mode = "options"
     fitted_on = "mcqa_calibration_half"
+    answer_is_option = True
     rules = {"option_tokens": OneOf(STYLES), "probe_size": Number(minimum=1, integer=True)}
 
     def __init__(self, option_tokens: str = "auto", probe_size: int = 8) -> None:
@@ -116,7 +143,8 @@ class LetterScorer(MCQAScorer):
         return cls(evaluation.get("option_tokens", "auto"), evaluation.get("probe_size", 8))
 
     def data_options(self) -> dict:
-        return {"mcqa_format": "letter"}
+        # MCQA records train as instruction examples answering with the option letter.
+        return {"mcqa_collator": None}
 
     def test_option_tokens(self, module) -> OptionTokens:
         if module.option_tokens is not None:  # the base row's choice holds for the method's
@@ -129,6 +157,23 @@ class LetterScorer(MCQAScorer):
 
     def option_logits(self, module, batch: dict):
         return score_options(module.model, batch, module.option_tokens).double(), None
+
+    def training_option_ids(self, tokenizer) -> torch.Tensor:
+        candidates = option_token_candidates(tokenizer)
+        style = self.option_token_style if self.option_token_style in candidates else None
+        return candidates[style or next(iter(candidates))].tensor()
+
+    def training_logits(self, model, batch, option_ids=None, params=None, answer_ce=False):
+        raw = model.raw_logits(batch["input_ids"], batch["attention_mask"], params=params)
+        rows, targets = answer_slot_rows(raw, batch["labels"], option_ids)
+        logits = model.adjust(rows, option_ids)
+        if not answer_ce:
+            return OptionPredictions(logits, targets)
+        # The answer's cross-entropy: every response token's (the letter and what follows it)
+        # next-token distribution through the head, from the same forward.
+        selected, next_tokens = select_response_logits(raw, batch["labels"])
+        ce = F.cross_entropy(model.adjust(selected).float(), next_tokens)
+        return OptionPredictions(logits, targets, ce, next_tokens.numel())
 
     def temperature_rows(self, module, batch: dict) -> torch.Tensor:
         if module.option_tokens is None:
@@ -186,8 +231,8 @@ class ClozeScorer(MCQAScorer):
     plain (`Question: ...\\nAnswer:` then ` <option>`)."""
 
     name = "cloze"
-    option_mode = "cloze"
     fitted_on = "mcqa_calibration_half_cloze"
+    answer_is_option = False
     rules = {"normalize": OneOf(NORMALIZE), "prompt": OneOf(PROMPTS)}
 
     def __init__(self, normalize: str = "none", prompt: str = "chat") -> None:
@@ -200,7 +245,12 @@ class ClozeScorer(MCQAScorer):
         return cls(**{key: cloze[key] for key in cls.rules if key in cloze})
 
     def data_options(self) -> dict:
-        return {"mcqa_format": "cloze", "cloze_prompt": self.prompt}
+        # MCQA records train with the answer text and all K option rows (cloze_batches.py).
+        return {"mcqa_collator": self.training_collator}
+
+    def training_collator(self, tokenizer, max_length: int) -> ClozeTrainingCollator:
+        """The collator of cloze-format MCQA training (and held-out) batches."""
+        return ClozeTrainingCollator(tokenizer, self.prompt, max_length)
 
     def test_option_tokens(self, module) -> OptionTokens:
         return CLOZE_OPTION_TOKENS
@@ -221,6 +271,13 @@ class ClozeScorer(MCQAScorer):
             self._max_length(module),
         )
         return scores.logits(self.normalize), scores.acc_norm_predictions()
+
+    def training_logits(self, model, batch, option_ids=None, params=None, answer_ce=False):
+        # One forward of the B * K option rows gives the answer text's cross-entropy too.
+        scored = cloze_predictions(model, batch, self.normalize, params)
+        return OptionPredictions(
+            scored.logits, scored.targets, scored.answer_ce, scored.answer_tokens
+        )
 
     def extra_metrics(self, chosen: torch.Tensor, gold: torch.Tensor) -> dict:
         # lm-eval's acc_norm (argmax of log-likelihood per character), whatever normalize is.
