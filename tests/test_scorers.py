@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ def test_the_config_chooses_the_scorer_once():
         {"scoring": "cloze", "cloze": {"normalize": "chars", "prompt": "plain"}}
     )
     assert isinstance(cloze, ClozeScorer) and not cloze.answer_is_option
-    assert (cloze.normalize, cloze.prompt) == ("chars", "plain")
+    assert (cloze.normalize, cloze.prompt, cloze.probe_size) == ("chars", "plain", 0)
     collator = cloze.data_options()["mcqa_collator"](tokenizer=None, max_length=64)
     assert (collator.prompt, collator.max_length) == ("plain", 64)
     assert isinstance(scorer_from_config(None), LetterScorer)  # the default
@@ -43,10 +42,10 @@ def test_the_config_chooses_the_scorer_once():
 
 def test_the_cloze_scorer_gives_the_cloze_scores_and_acc_norm(tiny_loaded, tokenizer):
     model = CalibratedLM(tiny_loaded.model)
-    module = SimpleNamespace(model=model, tokenizer=tokenizer, option_tokens=None, _trainer=None)
     batch = {"questions": QUESTIONS, "choices": CHOICES, "labels": torch.tensor([0, 0])}
     scorer = ClozeScorer(normalize="tokens", prompt="plain")
-    logits, chosen = scorer.option_logits(module, batch)
+    tokens = scorer.select_option_tokens(model, tokenizer, None)
+    logits, chosen = scorer.option_logits(model, tokenizer, batch, tokens)
     direct = score_cloze(model, tokenizer, QUESTIONS, CHOICES, "plain")
     assert torch.allclose(logits, direct.loglik / direct.n_tokens, atol=1e-9)
     per_char = direct.loglik / direct.n_chars
@@ -67,8 +66,9 @@ def test_the_letter_scorer_reads_the_letters_at_the_answer_slot(tiny_loaded, tok
     batch = MCQACollator(tokenizer, max_length=256)(records)
     model = CalibratedLM(tiny_loaded.model)
     tokens = option_token_candidates(tokenizer)["space"]
-    module = SimpleNamespace(model=model, tokenizer=tokenizer, option_tokens=tokens)
-    logits, side = LetterScorer().option_logits(module, batch)
+    scorer = LetterScorer(option_tokens="space")
+    assert scorer.select_option_tokens(model, tokenizer, batch) == tokens
+    logits, side = scorer.option_logits(model, tokenizer, batch, tokens)
     assert side is None and logits.dtype == torch.float64
     # Independently: the last prompt position's logits at the letters' token ids.
     with torch.no_grad():

@@ -8,9 +8,11 @@ Two implementations of one interface, chosen once from the config (`scorer_from_
   log-likelihood as the continuation of the question (evaluation/cloze.py).
 
 Methods, the training objectives, temperature fitting, the data module and the export ask the
-scorer (its option logits, the option distribution of a training batch, how MCQA records
-train, how to fit a temperature on its distribution, its prompt format) instead of testing a
-flag.
+scorer (its option tokens and option logits, the option distribution of a training batch, how
+MCQA records train, how to fit a temperature on its distribution, its prompt format) instead of
+testing a flag. Each call takes what it reads (the model, its tokenizer, a batch, the option
+tokens, the longest prompt), never a method's module; the pipeline builds one scorer per run
+and hands it to the data module and the method.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ class OptionPredictions(NamedTuple):
 
 
 class MCQAScorer:
-    """The interface; `module` is the CalibrationMethod scoring (its model, tokenizer, device,
-    trainer and chosen option tokens)."""
+    """The interface. Arguments: `model` the CalibratedLM, `batch` a collated batch on the
+    model's device, `option_tokens` the run's chosen option tokens, `max_length` the setting's
+    longest MCQA prompt (the data module's `eval_max_length`; None: no limit)."""
 
     name: ClassVar[str]
     # Rules of the scorer's own config keys (under `evaluation`, or `evaluation.cloze`), the
@@ -64,8 +67,8 @@ class MCQAScorer:
     answer_is_option: ClassVar[bool]
     # The option letters' spelling (letter targets of training objectives; `auto` asks the model).
     option_token_style: str = "auto"
-    # How many test questions `auto` probes for the spelling.
-    probe_size: int = 8
+    # How many test questions `select_option_tokens` reads to choose (0: it reads none).
+    probe_size: int = 0
     # How an option's summed log-likelihood becomes its logit (cloze only; `none` = the sum).
     normalize: str = "none"
 
@@ -78,13 +81,16 @@ class MCQAScorer:
         """How MCQA records train and feed held-out objectives (the data module's arguments)."""
         raise NotImplementedError
 
-    def test_option_tokens(self, module) -> OptionTokens:
-        """The option tokens the test split is scored with (recorded in the result files)."""
+    def select_option_tokens(self, model, tokenizer, probe: dict | None) -> OptionTokens:
+        """The option tokens to score with (recorded in the result files), chosen on `probe`:
+        the first `probe_size` test questions as one batch, or a held-out batch."""
         raise NotImplementedError
 
-    def option_logits(self, module, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, K) option logits under the calibrated model, and (cloze) lm-eval's acc_norm
-        choice per question (None when the scorer has none)."""
+    def option_logits(
+        self, model, tokenizer, batch: dict, option_tokens: OptionTokens, max_length=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, K) option logits of a test batch under the calibrated model, and (cloze)
+        lm-eval's acc_norm choice per question (None when the scorer has none)."""
         raise NotImplementedError
 
     def extra_metrics(self, chosen: torch.Tensor, gold: torch.Tensor) -> dict:
@@ -103,7 +109,9 @@ class MCQAScorer:
         cross-entropy from the same forward."""
         raise NotImplementedError
 
-    def temperature_rows(self, module, batch: dict):
+    def temperature_rows(
+        self, model, tokenizer, batch: dict, option_tokens: OptionTokens, max_length=None
+    ):
         """What a temperature fit keeps of one held-out batch (on the model's own logits)."""
         raise NotImplementedError
 
@@ -146,17 +154,12 @@ class LetterScorer(MCQAScorer):
         # MCQA records train as instruction examples answering with the option letter.
         return {"mcqa_collator": None}
 
-    def test_option_tokens(self, module) -> OptionTokens:
-        if module.option_tokens is not None:  # the base row's choice holds for the method's
-            return module.option_tokens
-        probe = module.probe_batch(self.probe_size)
+    def select_option_tokens(self, model, tokenizer, probe: dict | None) -> OptionTokens:
         n_options = probe["n_options"] if probe else 4
-        return choose_option_tokens(
-            module.model, module.tokenizer, probe, self.option_token_style, n_options
-        )
+        return choose_option_tokens(model, tokenizer, probe, self.option_token_style, n_options)
 
-    def option_logits(self, module, batch: dict):
-        return score_options(module.model, batch, module.option_tokens).double(), None
+    def option_logits(self, model, tokenizer, batch, option_tokens, max_length=None):
+        return score_options(model, batch, option_tokens).double(), None
 
     def training_option_ids(self, tokenizer) -> torch.Tensor:
         candidates = option_token_candidates(tokenizer)
@@ -175,12 +178,8 @@ class LetterScorer(MCQAScorer):
         ce = F.cross_entropy(model.adjust(selected).float(), next_tokens)
         return OptionPredictions(logits, targets, ce, next_tokens.numel())
 
-    def temperature_rows(self, module, batch: dict) -> torch.Tensor:
-        if module.option_tokens is None:
-            module.option_tokens = choose_option_tokens(
-                module.model, module.tokenizer, batch, self.option_token_style, batch["n_options"]
-            )
-        return score_options(module.model, batch, module.option_tokens).cpu()
+    def temperature_rows(self, model, tokenizer, batch, option_tokens, max_length=None):
+        return score_options(model, batch, option_tokens).cpu()
 
     def fit_temperature(self, rows: list, labels: torch.Tensor) -> TemperatureFit:
         return fit_temperature(torch.cat(rows), labels)
@@ -252,23 +251,13 @@ class ClozeScorer(MCQAScorer):
         """The collator of cloze-format MCQA training (and held-out) batches."""
         return ClozeTrainingCollator(tokenizer, self.prompt, max_length)
 
-    def test_option_tokens(self, module) -> OptionTokens:
+    def select_option_tokens(self, model, tokenizer, probe: dict | None) -> OptionTokens:
         return CLOZE_OPTION_TOKENS
 
-    @staticmethod
-    def _max_length(module) -> int | None:
-        """The setting's longest MCQA prompt, as letter scoring cuts it (from the left)."""
-        trainer = module._trainer
-        return getattr(getattr(trainer, "datamodule", None), "eval_max_length", None)
-
-    def option_logits(self, module, batch: dict):
+    def option_logits(self, model, tokenizer, batch, option_tokens, max_length=None):
+        # `max_length` cuts a long prompt from the left, as letter scoring does.
         scores = score_cloze(
-            module.model,
-            module.tokenizer,
-            batch["questions"],
-            batch["choices"],
-            self.prompt,
-            self._max_length(module),
+            model, tokenizer, batch["questions"], batch["choices"], self.prompt, max_length
         )
         return scores.logits(self.normalize), scores.acc_norm_predictions()
 
@@ -283,20 +272,20 @@ class ClozeScorer(MCQAScorer):
         # lm-eval's acc_norm (argmax of log-likelihood per character), whatever normalize is.
         return {"acc_norm": float((chosen == gold).double().mean())}
 
-    def temperature_rows(self, module, batch: dict):
+    def temperature_rows(self, model, tokenizer, batch, option_tokens, max_length=None):
         from calm_lightning.calibrators.cloze_temperature import (
             temperature_scales,
             temperature_terms,
         )
 
         scores, lse = temperature_terms(
-            module.model,
-            module.tokenizer,
+            model,
+            tokenizer,
             batch["questions"],
             batch["choices"],
             temperature_scales(BOUNDS),
             self.prompt,
-            self._max_length(module),
+            max_length,
         )
         return scores, lse
 

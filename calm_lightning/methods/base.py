@@ -153,6 +153,11 @@ class CalibrationMethod(L.LightningModule):
             return None
         return move_data_to_device(loader.collate_fn(records), self.device)
 
+    @property
+    def eval_max_length(self) -> int | None:
+        """The setting's longest MCQA prompt (the fitted data module's), None without one."""
+        return getattr(getattr(self._trainer, "datamodule", None), "eval_max_length", None)
+
     def on_test_start(self) -> None:
         self.model.eval()
         self._test_rows = []
@@ -161,7 +166,10 @@ class CalibrationMethod(L.LightningModule):
         self._open_ended = len(dataset) > 0 and isinstance(dataset[0], OpenQARecord)
         if self._open_ended:
             return
-        self.option_tokens = self.scorer.test_option_tokens(self)
+        if self.option_tokens is None:  # the base row's choice holds for the method's
+            size = self.scorer.probe_size
+            probe = self.probe_batch(size) if size else None
+            self.option_tokens = self.scorer.select_option_tokens(self.model, self.tokenizer, probe)
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         # The test loader hands whole batches to the processes in turn (data module): this
@@ -209,7 +217,9 @@ class CalibrationMethod(L.LightningModule):
         """(B, K) option probabilities and, for methods that state their answer apart from
         the probabilities, the (B,) answers (None = the argmax). Methods that produce their
         confidence differently (IC, CAPE, elicitation) override this, nothing else."""
-        logits, side = self.scorer.option_logits(self, batch)
+        logits, side = self.scorer.option_logits(
+            self.model, self.tokenizer, batch, self.option_tokens, self.eval_max_length
+        )
         if side is not None:  # e.g. cloze's acc_norm choice, for `extra_metrics`
             self._acc_norm_rows.append((side, batch["labels"].cpu()))
         return torch.softmax(logits.double(), dim=-1), None
