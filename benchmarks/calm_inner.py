@@ -35,6 +35,7 @@ def main() -> None:
     from hydra import compose, initialize_config_module
 
     import calm_lightning.runtime.resolvers  # noqa: F401  (registers resolvers)
+    from calm_lightning.evaluation.scorers import scorer_from_config
     from calm_lightning.methods.bome import bilevel_gradients
     from calm_lightning.models.loading import load_language_model
     from calm_lightning.pipeline import build_datamodule, build_method
@@ -43,9 +44,10 @@ def main() -> None:
         cfg = compose("run", overrides=["method=calm", "paths.output_dir=/tmp/unused", *overrides])
     L.seed_everything(cfg.seed, verbose=False)
     loaded = load_language_model(cfg.model)
-    datamodule = build_datamodule(cfg, loaded.tokenizer)
+    scorer = scorer_from_config(cfg.evaluation)
+    datamodule = build_datamodule(cfg, scorer, loaded.tokenizer)
     datamodule.setup("fit")
-    module = build_method(cfg, loaded)
+    module = build_method(cfg, loaded, scorer)
     # LoRA dropout off, as CALM measures q (its residual passes run without dropout): the
     # drop is then the inner steps' effect, not dropout noise.
     module.model.eval()

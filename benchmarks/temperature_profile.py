@@ -61,7 +61,7 @@ def profile(cfg, scales: list[float]) -> tuple[list[dict], list]:
     L.seed_everything(cfg.seed, verbose=False)  # as the pipeline: a random-init model's weights
     loaded = load_language_model(cfg.model)
     model = CalibratedLM(loaded.model, None).eval()
-    datamodule = build_datamodule(cfg, loaded.tokenizer)
+    datamodule = build_datamodule(cfg, scorer, loaded.tokenizer)
     records = datamodule.load_records()["test"]
     size = cfg.setting.eval_batch_size
     grid = torch.tensor(scales, dtype=torch.float64)

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.lm_eval_retention import RetentionStep
 from calm_lightning.evaluation.results import format_table, run_meta
-from calm_lightning.evaluation.scorers import scorer_from_config
+from calm_lightning.evaluation.scorers import MCQAScorer, scorer_from_config
 from calm_lightning.evaluation.scoring_pass import evaluate, evaluate_base, evaluate_base_retention
 from calm_lightning.methods.base import CalibrationMethod, method_class
 from calm_lightning.models.loading import LoadedModel, load_language_model
@@ -57,8 +57,11 @@ def build_sources(cfg: DictConfig) -> dict:
     }
 
 
-def build_datamodule(cfg: DictConfig, tokenizer=None, sources: dict | None = None):
-    """The setting's data module (nothing is read until `load_records` or a loader asks)."""
+def build_datamodule(
+    cfg: DictConfig, scorer: MCQAScorer, tokenizer=None, sources: dict | None = None
+):
+    """The setting's data module (nothing is read until `load_records` or a loader asks); the
+    run's MCQA scorer says how MCQA records train."""
     from calm_lightning.data.datamodule import CalibrationDataModule
 
     setting = cfg.setting
@@ -72,13 +75,14 @@ def build_datamodule(cfg: DictConfig, tokenizer=None, sources: dict | None = Non
         eval_max_length=setting.eval_max_length,
         num_workers=setting.num_workers,
         seed=cfg.seed,
-        **scorer_from_config(cfg.evaluation).data_options(),
+        **scorer.data_options(),
         **sources,
     )
 
 
-def build_method(cfg: DictConfig, loaded: LoadedModel) -> CalibrationMethod:
-    """The method's LightningModule on the loaded LM, with the shared evaluation options."""
+def build_method(cfg: DictConfig, loaded: LoadedModel, scorer: MCQAScorer) -> CalibrationMethod:
+    """The method's LightningModule on the loaded LM, with the shared evaluation options and
+    the run's MCQA scorer."""
     cls = method_class(cfg)
     head = cfg.method.get("head")
     model = cls.build_model(
@@ -92,7 +96,7 @@ def build_method(cfg: DictConfig, loaded: LoadedModel) -> CalibrationMethod:
         tokenizer=loaded.tokenizer,
         n_bins=cfg.evaluation.n_bins,
         openqa=cfg.evaluation.openqa,
-        scoring=scorer_from_config(cfg.evaluation),
+        scoring=scorer,
         _convert_="all",
     )
 
@@ -123,7 +127,8 @@ def run_experiment(cfg: DictConfig) -> RunResult:
     if main:
         write_config(out, cfg)
         log_method_setting(method_setting)
-    datamodule = build_datamodule(cfg, sources=sources)
+    scorer = scorer_from_config(cfg.evaluation)  # one per run: data module and method share it
+    datamodule = build_datamodule(cfg, scorer, sources=sources)
     ckpt_path = checkpoint_path(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     # build: the data (read and checked) and the retention tasks' data, then the trainer,
@@ -139,7 +144,7 @@ def run_experiment(cfg: DictConfig) -> RunResult:
         with stopwatch.phase("load_model"):
             loaded = load_language_model(cfg.model)
         datamodule.tokenizer = loaded.tokenizer
-        module = build_method(cfg, loaded)
+        module = build_method(cfg, loaded, scorer)
         rows: dict[str, dict] = {}
         cache, cached = BaseCache.from_config(cfg), {}
         # Before calibration the adapters are zero and the head is the identity: the

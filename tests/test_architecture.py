@@ -88,11 +88,12 @@ def test_method_setting_files_set_only_keys_the_code_reads():
 
 
 def test_an_unknown_module_key_is_refused(compose, tmp_path, tiny_loaded):
+    from calm_lightning.evaluation.scorers import scorer_from_config
     from calm_lightning.pipeline import build_method
 
     cfg = compose(["model=tiny", "method=base", "+method.module.temperature=2"], tmp_path)
     with pytest.raises(InstantiationException, match="unexpected keyword argument 'temperature'"):
-        build_method(cfg, tiny_loaded)
+        build_method(cfg, tiny_loaded, scorer_from_config(cfg.evaluation))
 
 
 def test_setting_names_match_their_files():

@@ -17,9 +17,10 @@ from calm_lightning.data.datamodule import CalibrationDataModule
 from calm_lightning.data.records import MCQARecord
 from calm_lightning.data.sources import EmbeddedDemoSource
 from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.cloze import score_cloze, score_cloze_separate
+from calm_lightning.evaluation.cloze import cloze_predictions, score_cloze, score_cloze_separate
+from calm_lightning.evaluation.scorers import ClozeScorer
 from calm_lightning.methods.calm import CALM
-from calm_lightning.methods.objectives import cloze_predictions, mean_entropy
+from calm_lightning.methods.objectives import mean_entropy
 from calm_lightning.methods.single_level import Regularization
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
@@ -126,8 +127,7 @@ def _cloze_datamodule(tokenizer, prompt="plain"):
         test=EmbeddedDemoSource("mcqa", "test", limit=4),
         batch_size=2,
         max_length=128,
-        mcqa_format="cloze",
-        cloze_prompt=prompt,
+        **ClozeScorer(prompt=prompt).data_options(),
     )
 
 
@@ -136,7 +136,7 @@ def test_calm_upper_level_is_the_entropy_of_the_cloze_option_distribution(tiny_l
     calm = CALM(
         model, tokenizer, inner_steps=1, scoring="cloze", cloze={"prompt": "plain"}, **PER_STEP
     )
-    calm.upper_objective = "cloze"
+    calm.upper_objective = "options"  # under cloze scoring: the cloze option distribution
     datamodule = _cloze_datamodule(tokenizer)
     batch = next(iter(datamodule.heldout_dataloader()))
     records = [r for r in datamodule._load("heldout") if r.id in batch["ids"]]
@@ -154,8 +154,8 @@ def test_calm_upper_level_is_the_entropy_of_the_cloze_option_distribution(tiny_l
 def test_regularization_in_cloze_mode_is_answer_ce_minus_option_entropy(tiny_loaded, tokenizer):
     model = _headed(tiny_loaded)
     reg = Regularization(model, tokenizer, alpha_reg=0.3, scoring="cloze")
-    reg.mode = "cloze"
-    batch = _cloze_datamodule(tokenizer).cloze_collator(RECORDS)
+    reg.mode = "options"
+    batch = _cloze_datamodule(tokenizer).mcqa_train_collator(RECORDS)
     loss, logs = reg.loss(batch)
     scored = cloze_predictions(model, batch)
     expected = scored.answer_ce - 0.3 * mean_entropy(scored.logits)
@@ -164,20 +164,21 @@ def test_regularization_in_cloze_mode_is_answer_ce_minus_option_entropy(tiny_loa
 
 
 @pytest.mark.parametrize(
-    ("mode", "scoring", "kind", "expected"),
+    ("mode", "scoring", "kind", "expected", "lower"),
     [
-        ("auto", "cloze", "mcqa", "cloze"),
-        ("options", "cloze", "mcqa", "cloze"),
-        ("auto", "letter", "mcqa", "options"),
-        ("auto", "cloze", "instruction", "vocab"),
+        ("auto", "cloze", "mcqa", "options", "vocab"),
+        ("options", "cloze", "mcqa", "options", "vocab"),
+        ("auto", "letter", "mcqa", "options", "options"),
+        ("auto", "cloze", "instruction", "vocab", "vocab"),
     ],
 )
-def test_auto_modes_follow_the_scoring(tiny_loaded, tokenizer, mode, scoring, kind, expected):
+def test_auto_modes_follow_the_data(tiny_loaded, tokenizer, mode, scoring, kind, expected, lower):
     calm = CALM(_headed(tiny_loaded), tokenizer, scoring=scoring, **PER_STEP)
     calm.data_kind = lambda split: kind
     assert calm.resolve_mode(mode, "train") == expected
-    # The lower level trains on the answer text, never on the option distribution.
-    assert calm.answer_text_mode(calm.resolve_mode(mode, "train")) in ("vocab", "options")
+    # The lower level trains the answer: the letter (an option) under letter scoring, the
+    # answer text under cloze scoring.
+    assert calm.answer_text_mode(calm.resolve_mode(mode, "train")) == lower
 
 
 @pytest.mark.parametrize("method", ["ic", "cape", "elicitation", "dual_align", "daca"])

@@ -594,11 +594,11 @@ def test_fsdp_config_builds_lightnings_strategy_with_a_lora_wrap_rule(compose):
 
 @pytest.mark.parametrize("method", ["calm", "iterate"])
 def test_fsdp_refuses_the_autograd_grad_methods_before_loading(compose, method):
-    from calm_lightning.pipeline import build_datamodule, method_class
+    from calm_lightning.pipeline import build_sources, method_class
 
     cfg = compose(["model=tiny", "trainer=fsdp", f"method={method}"])
     with pytest.raises(ConfigError, match="trainer=ddp"):
-        method_class(cfg).check_requirements(cfg, build_datamodule(cfg).sources)
+        method_class(cfg).check_requirements(cfg, build_sources(cfg))
 
 
 def test_multi_node_slurm_config_composes(tmp_path, compose):
@@ -619,14 +619,14 @@ GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 @pytest.mark.integration
 def test_gpu_check_distributed_jobs_compose_and_pass_requirements(compose):
     from calm_lightning.acceptance import distributed_job
-    from calm_lightning.pipeline import build_datamodule, method_class
+    from calm_lightning.pipeline import build_sources, method_class
 
     assert subprocess.run(["bash", "-n", str(GPU_CHECK)]).returncode == 0
     jobs = {m: distributed_job(m) for m in ("reg", "ls", "cft")}
     jobs["fsdp"] = distributed_job("reg", "fsdp")
     for name, overrides in jobs.items():
         cfg = compose(overrides)
-        method_class(cfg).check_requirements(cfg, build_datamodule(cfg).sources)
+        method_class(cfg).check_requirements(cfg, build_sources(cfg))
         assert ("fsdp" in name) == ("fsdp" in str(cfg.trainer.strategy)), name
         assert cfg.trainer.devices == 2 and cfg.model.tokenizer == "bytes"
 

@@ -173,6 +173,7 @@ def test_demo_base_evaluation_on_the_embedded_model(tmp_path, compose):
 def test_calm_outer_steps_on_the_embedded_model_raise_heldout_entropy(tmp_path, compose):
     """A few outer steps of the demo: held-out entropy (fixed examples) goes up, metrics finite."""
     from calm_lightning.data.datamodule import CalibrationDataModule
+    from calm_lightning.evaluation.scorers import scorer_from_config
     from calm_lightning.models.loading import load_language_model
     from calm_lightning.pipeline import build_method
 
@@ -186,7 +187,7 @@ def test_calm_outer_steps_on_the_embedded_model_raise_heldout_entropy(tmp_path, 
         tmp_path,
     )
     loaded = load_language_model(cfg.model)
-    module = build_method(cfg, loaded)
+    module = build_method(cfg, loaded, scorer_from_config(cfg.evaluation))
     probe = CalibrationDataModule(
         loaded.tokenizer,
         train=EmbeddedDemoSource("instruction", "heldout", limit=8),

@@ -16,6 +16,7 @@ from calm_lightning.data.collate import IGNORE_INDEX
 from calm_lightning.data.mcqa import MCQASource, SourceSpec, read_source
 from calm_lightning.data.openqa import OpenQASource
 from calm_lightning.errors import DataFormatError, DataUnavailableError
+from calm_lightning.evaluation.scorers import scorer_from_config
 from calm_lightning.pipeline import build_datamodule, run_experiment
 
 HUB = Path(__file__).parent / "fixtures" / "hub"
@@ -177,7 +178,7 @@ def test_settings_produce_the_expected_loaders(
     tmp_path, tokenizer, compose, request, overrides, sizes, heldout_kind
 ):
     cfg = compose(request.getfixturevalue(overrides), tmp_path)
-    datamodule = build_datamodule(cfg, tokenizer)
+    datamodule = build_datamodule(cfg, scorer_from_config(cfg.evaluation), tokenizer)
     datamodule.setup("fit")
     assert len(datamodule.records["train"]) == sizes[0]
     assert len(datamodule.records["heldout"]) == sizes[1]
@@ -196,7 +197,7 @@ def test_settings_produce_the_expected_loaders(
 def test_id_training_target_is_the_answer_letter(tmp_path, tokenizer, compose, id_overrides):
     # Letter scoring (the embedded model's default is cloze: test_cloze_training.py).
     cfg = compose([*id_overrides, "evaluation.scoring=letter"], tmp_path)
-    datamodule = build_datamodule(cfg, tokenizer)
+    datamodule = build_datamodule(cfg, scorer_from_config(cfg.evaluation), tokenizer)
     datamodule.setup("fit")
     batch, _, _ = next(iter(datamodule.train_dataloader()))
     labels = batch["train"]["labels"][0]

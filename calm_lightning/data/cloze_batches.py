@@ -6,6 +6,7 @@ them is evaluation/cloze.py's job."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -95,8 +96,8 @@ class ClozeTrainingCollator:
     * `input_ids` / `attention_mask` / `labels`: prompt + the gold option's continuation,
       right-padded, labels -100 except on the continuation tokens (the answer text's
       cross-entropy, an objective's `vocab` mode);
-    * `cloze`: `separate_rows` of all K options (an objective's `cloze` mode: the option
-      distribution by option likelihood, differentiable);
+    * `cloze`: `separate_rows` of all K options (an objective's `options` mode under cloze
+      scoring: the option distribution by option likelihood, differentiable);
     * `answers`: the gold option index.
 
     The prompt loses tokens from the left so prompt + longest option fits `max_length`."""
@@ -105,6 +106,8 @@ class ClozeTrainingCollator:
     prompt: str = "chat"
     max_length: int = 512
     stats: dict = field(default_factory=lambda: {"prompt_truncated": 0})
+    # Where the data summary (metrics.json) keeps `stats`.
+    summary_key: ClassVar[str] = "cloze_train_truncation"
 
     def __call__(self, records) -> dict:
         encoded = []

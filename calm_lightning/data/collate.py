@@ -140,3 +140,28 @@ class InstructionCollator:
             "labels": labels,
             "ids": [r.id for r in records],
         }
+
+
+# The label layout of instruction batches: the logit at position t predicts token t + 1, so
+# response positions are where `labels[:, 1:]` is not IGNORE_INDEX. Training objectives and
+# the scorers' training distributions read batches through these.
+def response_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, L - 1) mask of positions whose next token is a response token."""
+    return labels[:, 1:] != IGNORE_INDEX
+
+
+def select_response_logits(logits: torch.Tensor, labels: torch.Tensor):
+    """(N, V) logits at response positions and their (N,) next-token targets."""
+    mask = response_positions(labels)
+    if not mask.any():
+        raise ValueError("the batch has no response tokens (all labels are -100)")
+    return logits[:, :-1][mask], labels[:, 1:][mask]
+
+
+def first_response_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Index (per row) of the position that predicts the first response token (the answer
+    letter for MCQA examples)."""
+    mask = response_positions(labels)
+    if not mask.any(dim=1).all():
+        raise ValueError("a row has no response tokens")
+    return mask.float().argmax(dim=1)

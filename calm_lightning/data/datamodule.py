@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import lightning as L
 from torch.utils.data import DataLoader
@@ -48,18 +49,14 @@ class CalibrationDataModule(L.LightningDataModule):
         eval_max_length: int = 1024,
         num_workers: int = 0,
         seed: int = 0,
-        mcqa_format: str = "letter",
-        cloze_prompt: str = "chat",
+        mcqa_collator: Callable | None = None,
     ) -> None:
-        """`mcqa_format`: how MCQA records train (and feed held-out objectives): `letter`
-        (answer with the option letter, the letter-scoring protocol) or `cloze` (the answer
-        text after the cloze prompt `cloze_prompt`, with all K options for option-level
-        objectives; `evaluation.scoring=cloze`)."""
+        """`mcqa_collator`: how MCQA records train (and feed held-out objectives), from the
+        MCQA scorer (`data_options`): None, as instruction examples answering with the option
+        letter (the letter-scoring protocol), or `mcqa_collator(tokenizer, max_length)` builds
+        the collator of their batches (cloze scoring: the answer text and all K options)."""
         super().__init__()
-        if mcqa_format not in ("letter", "cloze"):
-            raise ConfigError(f"mcqa_format={mcqa_format!r} is not one of letter, cloze")
-        self.mcqa_format = mcqa_format
-        self.cloze_prompt = cloze_prompt
+        self.mcqa_collator = mcqa_collator
         self.tokenizer = tokenizer
         self.sources = {"train": train, "heldout": heldout, "test": test}
         self.batch_size = batch_size
@@ -71,7 +68,7 @@ class CalibrationDataModule(L.LightningDataModule):
         self.seed = seed
         self.records: dict[str, list] = {}
         self._train_collator: InstructionCollator | None = None
-        self._cloze_collator = None
+        self._mcqa_train_collator = None
         self._test_collator: MCQACollator | None = None
 
     def _require_tokenizer(self):
@@ -131,29 +128,23 @@ class CalibrationDataModule(L.LightningDataModule):
         return self._test_collator
 
     @property
-    def cloze_collator(self):
-        """MCQA training batches in the cloze format (answer text + all K option rows)."""
-        if self._cloze_collator is None:
-            from calm_lightning.data.cloze_batches import ClozeTrainingCollator
-
-            self._cloze_collator = ClozeTrainingCollator(
-                self._require_tokenizer(), self.cloze_prompt, self.max_length
+    def mcqa_train_collator(self):
+        """MCQA training batches in the scorer's own format (`mcqa_collator`)."""
+        if self._mcqa_train_collator is None:
+            self._mcqa_train_collator = self.mcqa_collator(
+                self._require_tokenizer(), self.max_length
             )
-        return self._cloze_collator
+        return self._mcqa_train_collator
 
     def _instruction_loader(
         self, split: str, batch_size: int, offset: int, shuffle: bool = True, fresh=False
     ) -> DataLoader:
         """`fresh`: a collator of its own, whose truncation counts stay out of the summary."""
         records = self._load(split)
-        if self.mcqa_format == "cloze" and records and isinstance(records[0], MCQARecord):
-            examples, collate = records, self.cloze_collator
+        if self.mcqa_collator is not None and records and isinstance(records[0], MCQARecord):
+            examples, collate = records, self.mcqa_train_collator
             if fresh:
-                from calm_lightning.data.cloze_batches import ClozeTrainingCollator
-
-                collate = ClozeTrainingCollator(
-                    self._require_tokenizer(), self.cloze_prompt, self.max_length
-                )
+                collate = self.mcqa_collator(self._require_tokenizer(), self.max_length)
         else:
             examples, collate = [as_training_example(r) for r in records], self.train_collator
             if fresh:
@@ -219,8 +210,9 @@ class CalibrationDataModule(L.LightningDataModule):
             out[split] = dict(source.describe(), n=len(self.records.get(split, [])))
         if self._train_collator is not None:
             out["train_truncation"] = dict(self._train_collator.stats)
-        if self._cloze_collator is not None:
-            out["cloze_train_truncation"] = dict(self._cloze_collator.stats)
+        if self._mcqa_train_collator is not None:
+            collator = self._mcqa_train_collator
+            out[collator.summary_key] = dict(collator.stats)
         if self._test_collator is not None:
             out["test_prompts_truncated"] = self._test_collator.truncated
         return out

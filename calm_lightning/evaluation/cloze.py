@@ -6,7 +6,8 @@ token), combined into a distribution over the K options.
 Fast path: each question prompt is encoded once; its KV cache is repeated K times and the K
 continuations run against it together (batched across questions, left padding handled with
 position ids), instead of K full forwards of prompt + option per question (lm-eval's way,
-kept here as `score_cloze_separate` for the benchmark and the tests).
+kept here as `score_cloze_separate` for the benchmark and the tests). Training reads the same
+distribution with gradients from cloze-format batches (`cloze_predictions`).
 """
 
 from __future__ import annotations
@@ -138,3 +139,36 @@ def score_cloze_separate(
     device = next(model.parameters()).device
     rows = {k_: v.to(device) for k_, v in separate_rows(encoded, tokenizer.pad_token_id).items()}
     return option_scores(separate_loglik(model, rows), encoded, k)
+
+
+@dataclass
+class ClozePredictions:
+    """A cloze-format MCQA training batch scored by option likelihood (differentiable)."""
+
+    logits: torch.Tensor  # (B, K) fp32 option logits (summed log-likelihoods, per `normalize`)
+    targets: torch.Tensor  # (B,) gold option index
+    answer_ce: torch.Tensor  # token-mean cross-entropy of the gold options' continuation tokens
+    answer_tokens: int = 1  # how many tokens answer_ce averages over
+
+
+def cloze_predictions(model, batch: dict, normalize: str = "none", params=None):
+    """The option distribution cloze evaluation scores, with gradients: each option's summed
+    log-probability of its continuation under the adjusted model (the head over the full
+    vocabulary at every token), from one forward of the batch's B * K prompt + option rows.
+    The same forward gives the answer text's cross-entropy (the gold rows' tokens)."""
+    if "cloze" not in batch:
+        raise ValueError(
+            "a cloze objective needs cloze-format MCQA batches (evaluation.scoring=cloze with "
+            "MCQA training / held-out data)"
+        )
+    rows = batch["cloze"]
+    answers = batch["answers"]
+    b = answers.shape[0]
+    loglik = separate_loglik(model, rows, params=params).view(b, -1)
+    k = loglik.shape[1]
+    gold = loglik[torch.arange(b, device=loglik.device), answers]
+    gold_tokens = rows["n_tokens"].view(b, k)[torch.arange(b), answers.cpu()].sum()
+    answer_ce = -(gold.sum() / gold_tokens.to(gold.device)).float()
+    lengths = {"none": None, "tokens": rows["n_tokens"], "chars": rows["n_chars"]}[normalize]
+    logits = loglik if lengths is None else loglik / lengths.clamp(min=1).view(b, k)
+    return ClozePredictions(logits.float(), answers, answer_ce, int(gold_tokens))

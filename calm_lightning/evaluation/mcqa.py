@@ -1,5 +1,6 @@
 """MCQA scoring shared by every method: next-token logits of the option letters at the answer
-slot, through the logit-adjustment head, softmaxed over the options."""
+slot, through the logit-adjustment head, softmaxed over the options; and the same letters at
+the answer slot of letter-format training batches (training objectives' option distribution)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from calm_lightning.data.collate import first_response_positions
 from calm_lightning.data.prompts import OPTION_LETTERS
 
 log = logging.getLogger(__name__)
@@ -88,3 +90,17 @@ def score_options(model, batch: dict, tokens: OptionTokens) -> torch.Tensor:
     """Adjusted fp32 logits (B, K) of the option letters at the last prompt position."""
     logits = model.raw_logits(batch["input_ids"], batch["attention_mask"], logits_to_keep=1)
     return model.adjust(logits[:, -1], tokens.tensor(logits.device))
+
+
+def answer_slot_rows(
+    raw: torch.Tensor, labels: torch.Tensor, option_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A letter-format training batch's raw (B, V) logits at the answer slot (the position
+    that predicts the first response token) and which option each answer's letter is."""
+    rows = torch.arange(raw.shape[0], device=raw.device)
+    slot = first_response_positions(labels)
+    letters = labels[rows, slot + 1]
+    match = letters[:, None] == option_ids[None, :]
+    if not match.any(dim=1).all():
+        raise ValueError("a training answer does not start with one of the option letter tokens")
+    return raw[rows, slot], match.float().argmax(dim=1)

@@ -8,26 +8,32 @@ Two implementations of one interface, chosen once from the config (`scorer_from_
   log-likelihood as the continuation of the question (evaluation/cloze.py).
 
 Methods, the training objectives, temperature fitting, the data module and the export ask the
-scorer (its option logits, the objective mode that reads its option distribution, how MCQA
-records train, how to fit a temperature on its distribution, its prompt format) instead of
-testing a flag.
+scorer (its option tokens and option logits, the option distribution of a training batch, how
+MCQA records train, how to fit a temperature on its distribution, its prompt format) instead of
+testing a flag. Each call takes what it reads (the model, its tokenizer, a batch, the option
+tokens, the longest prompt), never a method's module; the pipeline builds one scorer per run
+and hands it to the data module and the method.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from calm_lightning.calibrators.temperature import BOUNDS, TemperatureFit, fit_temperature
 from calm_lightning.config_rules import Number, OneOf, check_values
-from calm_lightning.data.cloze_batches import PROMPTS
+from calm_lightning.data.cloze_batches import PROMPTS, ClozeTrainingCollator
+from calm_lightning.data.collate import select_response_logits
 from calm_lightning.data.prompts import OPTION_LETTERS
-from calm_lightning.evaluation.cloze import NORMALIZE, ClozeScores, score_cloze
+from calm_lightning.evaluation.cloze import NORMALIZE, ClozeScores, cloze_predictions, score_cloze
 from calm_lightning.evaluation.mcqa import (
     STYLES,
     OptionTokens,
+    answer_slot_rows,
     choose_option_tokens,
+    option_token_candidates,
     score_options,
 )
 
@@ -35,22 +41,34 @@ from calm_lightning.evaluation.mcqa import (
 CLOZE_OPTION_TOKENS = OptionTokens("cloze", (), OPTION_LETTERS)
 
 
+class OptionPredictions(NamedTuple):
+    """An MCQA training batch on the option distribution evaluation scores (differentiable)."""
+
+    logits: torch.Tensor  # (B, K) adjusted option logits, fp32
+    targets: torch.Tensor  # (B,) gold option index
+    answer_ce: torch.Tensor | None = None  # the answer's cross-entropy, when asked or free
+    answer_tokens: int = 0  # tokens answer_ce averages over (0 without it)
+
+
 class MCQAScorer:
-    """The interface; `module` is the CalibrationMethod scoring (its model, tokenizer, device,
-    trainer and chosen option tokens)."""
+    """The interface. Arguments: `model` the CalibratedLM, `batch` a collated batch on the
+    model's device, `option_tokens` the run's chosen option tokens, `max_length` the setting's
+    longest MCQA prompt (the data module's `eval_max_length`; None: no limit)."""
 
     name: ClassVar[str]
     # Rules of the scorer's own config keys (under `evaluation`, or `evaluation.cloze`), the
     # ones the config check applies before any model loads.
     rules: ClassVar[dict] = {}
-    # The objectives' mode that reads the option distribution this scorer evaluates.
-    option_mode: ClassVar[str]
     # What `fit_on` records in metrics.json after a temperature fit on MCQA held-out data.
     fitted_on: ClassVar[str]
+    # Whether the answer of an MCQA training example is one option of the option distribution
+    # (the letter: a lower level's cross-entropy is the option distribution's) or a text whose
+    # tokens a lower level trains over the vocabulary (cloze).
+    answer_is_option: ClassVar[bool]
     # The option letters' spelling (letter targets of training objectives; `auto` asks the model).
     option_token_style: str = "auto"
-    # How many test questions `auto` probes for the spelling.
-    probe_size: int = 8
+    # How many test questions `select_option_tokens` reads to choose (0: it reads none).
+    probe_size: int = 0
     # How an option's summed log-likelihood becomes its logit (cloze only; `none` = the sum).
     normalize: str = "none"
 
@@ -63,20 +81,37 @@ class MCQAScorer:
         """How MCQA records train and feed held-out objectives (the data module's arguments)."""
         raise NotImplementedError
 
-    def test_option_tokens(self, module) -> OptionTokens:
-        """The option tokens the test split is scored with (recorded in the result files)."""
+    def select_option_tokens(self, model, tokenizer, probe: dict | None) -> OptionTokens:
+        """The option tokens to score with (recorded in the result files), chosen on `probe`:
+        the first `probe_size` test questions as one batch, or a held-out batch."""
         raise NotImplementedError
 
-    def option_logits(self, module, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, K) option logits under the calibrated model, and (cloze) lm-eval's acc_norm
-        choice per question (None when the scorer has none)."""
+    def option_logits(
+        self, model, tokenizer, batch: dict, option_tokens: OptionTokens, max_length=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, K) option logits of a test batch under the calibrated model, and (cloze)
+        lm-eval's acc_norm choice per question (None when the scorer has none)."""
         raise NotImplementedError
 
     def extra_metrics(self, chosen: torch.Tensor, gold: torch.Tensor) -> dict:
         """Metrics beyond the calibration report, from the side choices `option_logits` made."""
         return {}
 
-    def temperature_rows(self, module, batch: dict):
+    def training_option_ids(self, tokenizer) -> torch.Tensor | None:
+        """The option letters' token ids as training targets spell them (None: not read)."""
+        return None
+
+    def training_logits(
+        self, model, batch: dict, option_ids=None, params=None, answer_ce: bool = False
+    ) -> OptionPredictions:
+        """A training or held-out batch on this scorer's option distribution, with gradients
+        (`params` as in `CalibratedLM.raw_logits`); `answer_ce` asks for the answer's
+        cross-entropy from the same forward."""
+        raise NotImplementedError
+
+    def temperature_rows(
+        self, model, tokenizer, batch: dict, option_tokens: OptionTokens, max_length=None
+    ):
         """What a temperature fit keeps of one held-out batch (on the model's own logits)."""
         raise NotImplementedError
 
@@ -100,8 +135,8 @@ class MCQAScorer:
 
 class LetterScorer(MCQAScorer):
     name = "letter"
-    option_mode = "options"
     fitted_on = "mcqa_calibration_half"
+    answer_is_option = True
     rules = {"option_tokens": OneOf(STYLES), "probe_size": Number(minimum=1, integer=True)}
 
     def __init__(self, option_tokens: str = "auto", probe_size: int = 8) -> None:
@@ -116,26 +151,35 @@ class LetterScorer(MCQAScorer):
         return cls(evaluation.get("option_tokens", "auto"), evaluation.get("probe_size", 8))
 
     def data_options(self) -> dict:
-        return {"mcqa_format": "letter"}
+        # MCQA records train as instruction examples answering with the option letter.
+        return {"mcqa_collator": None}
 
-    def test_option_tokens(self, module) -> OptionTokens:
-        if module.option_tokens is not None:  # the base row's choice holds for the method's
-            return module.option_tokens
-        probe = module.probe_batch(self.probe_size)
+    def select_option_tokens(self, model, tokenizer, probe: dict | None) -> OptionTokens:
         n_options = probe["n_options"] if probe else 4
-        return choose_option_tokens(
-            module.model, module.tokenizer, probe, self.option_token_style, n_options
-        )
+        return choose_option_tokens(model, tokenizer, probe, self.option_token_style, n_options)
 
-    def option_logits(self, module, batch: dict):
-        return score_options(module.model, batch, module.option_tokens).double(), None
+    def option_logits(self, model, tokenizer, batch, option_tokens, max_length=None):
+        return score_options(model, batch, option_tokens).double(), None
 
-    def temperature_rows(self, module, batch: dict) -> torch.Tensor:
-        if module.option_tokens is None:
-            module.option_tokens = choose_option_tokens(
-                module.model, module.tokenizer, batch, self.option_token_style, batch["n_options"]
-            )
-        return score_options(module.model, batch, module.option_tokens).cpu()
+    def training_option_ids(self, tokenizer) -> torch.Tensor:
+        candidates = option_token_candidates(tokenizer)
+        style = self.option_token_style if self.option_token_style in candidates else None
+        return candidates[style or next(iter(candidates))].tensor()
+
+    def training_logits(self, model, batch, option_ids=None, params=None, answer_ce=False):
+        raw = model.raw_logits(batch["input_ids"], batch["attention_mask"], params=params)
+        rows, targets = answer_slot_rows(raw, batch["labels"], option_ids)
+        logits = model.adjust(rows, option_ids)
+        if not answer_ce:
+            return OptionPredictions(logits, targets)
+        # The answer's cross-entropy: every response token's (the letter and what follows it)
+        # next-token distribution through the head, from the same forward.
+        selected, next_tokens = select_response_logits(raw, batch["labels"])
+        ce = F.cross_entropy(model.adjust(selected).float(), next_tokens)
+        return OptionPredictions(logits, targets, ce, next_tokens.numel())
+
+    def temperature_rows(self, model, tokenizer, batch, option_tokens, max_length=None):
+        return score_options(model, batch, option_tokens).cpu()
 
     def fit_temperature(self, rows: list, labels: torch.Tensor) -> TemperatureFit:
         return fit_temperature(torch.cat(rows), labels)
@@ -186,8 +230,8 @@ class ClozeScorer(MCQAScorer):
     plain (`Question: ...\\nAnswer:` then ` <option>`)."""
 
     name = "cloze"
-    option_mode = "cloze"
     fitted_on = "mcqa_calibration_half_cloze"
+    answer_is_option = False
     rules = {"normalize": OneOf(NORMALIZE), "prompt": OneOf(PROMPTS)}
 
     def __init__(self, normalize: str = "none", prompt: str = "chat") -> None:
@@ -200,46 +244,48 @@ class ClozeScorer(MCQAScorer):
         return cls(**{key: cloze[key] for key in cls.rules if key in cloze})
 
     def data_options(self) -> dict:
-        return {"mcqa_format": "cloze", "cloze_prompt": self.prompt}
+        # MCQA records train with the answer text and all K option rows (cloze_batches.py).
+        return {"mcqa_collator": self.training_collator}
 
-    def test_option_tokens(self, module) -> OptionTokens:
+    def training_collator(self, tokenizer, max_length: int) -> ClozeTrainingCollator:
+        """The collator of cloze-format MCQA training (and held-out) batches."""
+        return ClozeTrainingCollator(tokenizer, self.prompt, max_length)
+
+    def select_option_tokens(self, model, tokenizer, probe: dict | None) -> OptionTokens:
         return CLOZE_OPTION_TOKENS
 
-    @staticmethod
-    def _max_length(module) -> int | None:
-        """The setting's longest MCQA prompt, as letter scoring cuts it (from the left)."""
-        trainer = module._trainer
-        return getattr(getattr(trainer, "datamodule", None), "eval_max_length", None)
-
-    def option_logits(self, module, batch: dict):
+    def option_logits(self, model, tokenizer, batch, option_tokens, max_length=None):
+        # `max_length` cuts a long prompt from the left, as letter scoring does.
         scores = score_cloze(
-            module.model,
-            module.tokenizer,
-            batch["questions"],
-            batch["choices"],
-            self.prompt,
-            self._max_length(module),
+            model, tokenizer, batch["questions"], batch["choices"], self.prompt, max_length
         )
         return scores.logits(self.normalize), scores.acc_norm_predictions()
+
+    def training_logits(self, model, batch, option_ids=None, params=None, answer_ce=False):
+        # One forward of the B * K option rows gives the answer text's cross-entropy too.
+        scored = cloze_predictions(model, batch, self.normalize, params)
+        return OptionPredictions(
+            scored.logits, scored.targets, scored.answer_ce, scored.answer_tokens
+        )
 
     def extra_metrics(self, chosen: torch.Tensor, gold: torch.Tensor) -> dict:
         # lm-eval's acc_norm (argmax of log-likelihood per character), whatever normalize is.
         return {"acc_norm": float((chosen == gold).double().mean())}
 
-    def temperature_rows(self, module, batch: dict):
+    def temperature_rows(self, model, tokenizer, batch, option_tokens, max_length=None):
         from calm_lightning.calibrators.cloze_temperature import (
             temperature_scales,
             temperature_terms,
         )
 
         scores, lse = temperature_terms(
-            module.model,
-            module.tokenizer,
+            model,
+            tokenizer,
             batch["questions"],
             batch["choices"],
             temperature_scales(BOUNDS),
             self.prompt,
-            self._max_length(module),
+            max_length,
         )
         return scores, lse
 

@@ -1,4 +1,4 @@
-"""The method protocol and the shared test loop.
+"""The method protocol.
 
 Every method is a `CalibrationMethod` (a LightningModule). The pipeline knows only this
 protocol (docs/architecture.md):
@@ -10,33 +10,28 @@ protocol (docs/architecture.md):
 * `calibrate(trainer, datamodule, ckpt_path)` does whatever the method does before evaluation
   (nothing for `base`, `Trainer.fit` for training methods, a fit on held-out data for post-hoc
   temperatures) and returns what it fitted, for metrics.json;
-* evaluation is shared: MCQA option scoring, or sampling + Sem-ECE when the test split is
-  open-ended QA. Methods that produce their confidence differently override
-  `option_probabilities` and nothing else.
+* evaluation is shared: each method owns a `TestEvaluator` (evaluation/evaluator.py) that
+  holds the test pass (MCQA option scoring, or sampling + Sem-ECE when the test split is
+  open-ended QA); the Lightning test hooks only hand it the loader and the batches. Methods
+  that produce their confidence differently override `option_probabilities` and nothing else.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 import lightning as L
-import numpy as np
 import torch
-from lightning.pytorch.utilities import move_data_to_device
 
 from calm_lightning.config_rules import check_values, merged_rules
-from calm_lightning.data.records import OpenQARecord
 from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.evaluator import MCQAPredictions, ScoredOptions, TestEvaluator
 from calm_lightning.evaluation.mcqa import OptionTokens
-from calm_lightning.evaluation.openqa import OpenQAPredictions, OpenQASettings, score_openqa_batch
-from calm_lightning.evaluation.results import mcqa_evaluation, plot_mcqa_reliability
+from calm_lightning.evaluation.openqa import OpenQAPredictions, OpenQASettings
 from calm_lightning.evaluation.scorers import MCQAScorer, scorer_from_config
-from calm_lightning.metrics.calibration import calibration_report
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
 from calm_lightning.models.lora import PEFT_RULES, wrap_with_lora
-from calm_lightning.runtime.distributed import gather_objects, world
 
 # `head` values: no head, the method's configured head (`method.head`: kind, center), or one
 # scalar temperature d = 1 / T over the untouched logits (post-hoc temperature methods).
@@ -44,49 +39,9 @@ HEAD_NONE, HEAD_CONFIGURED, HEAD_TEMPERATURE = None, "configured", "temperature"
 TEMPERATURE_HEAD = {"kind": "scalar", "center": "none"}
 
 
-@dataclass
-class MCQAPredictions:
-    """Option probabilities of a test split, in dataset order."""
-
-    ids: list[str]
-    probs: np.ndarray  # (N, K) float64
-    labels: np.ndarray  # (N,)
-    option_tokens: OptionTokens
-    predicted: np.ndarray | None = None  # (N,) stated answers; None = argmax of probs
-    extra: dict = field(default_factory=dict)  # method-specific counts for metrics.json
-
-    def report(self, n_bins: int = 10) -> dict[str, float]:
-        metrics = calibration_report(
-            self.probs, self.labels, n_bins=n_bins, predictions=self.predicted
-        )
-        return {**metrics, **self.extra}
-
-    def evaluation(self, metrics: dict, meta: dict):
-        """The run record of this evaluation (metrics.json payload, predictions rows)."""
-        return mcqa_evaluation(self, metrics, meta)
-
-    def plot_reliability(self, path, title: str = "") -> None:
-        plot_mcqa_reliability(self, path, title=title)
-
-
-def unique_by_id(items: list, key) -> list:
-    """`items` without repeats of an id already seen (first occurrence kept, order kept).
-
-    The project's test loader never repeats a question; a sampler that pads shards to equal
-    length (Lightning's DistributedSampler, if `use_distributed_sampler` is switched on)
-    would, and each question must count once."""
-    seen: set = set()
-    out = []
-    for item in items:
-        k = key(item)
-        if k not in seen:
-            seen.add(k)
-            out.append(item)
-    return out
-
-
 class CalibrationMethod(L.LightningModule):
-    """Holds the calibrated LM, calibrates it (`calibrate`) and scores test batches."""
+    """Holds the calibrated LM, calibrates it (`calibrate`) and scores test batches (its
+    `evaluator` runs the test pass)."""
 
     # ----- what the method needs (checked before any model is loaded) -----
     uses_adapter: ClassVar[bool] = False  # attach the `peft` group's adapters
@@ -130,128 +85,55 @@ class CalibrationMethod(L.LightningModule):
         self.scorer = scoring
         self.model = model
         self.tokenizer = tokenizer
-        self.n_bins = n_bins
+        # The run's option tokens, chosen once (by the first test pass, a temperature fit or a
+        # cached base row) and kept for every later scoring.
         self.option_tokens: OptionTokens | None = None
-        self.predictions: MCQAPredictions | OpenQAPredictions | None = None
-        self.openqa = (
-            openqa if isinstance(openqa, OpenQASettings) else OpenQASettings(**(openqa or {}))
-        )
-        self._test_rows: list = []
-        self._acc_norm_rows: list = []
-        self._open_ended = False
+        self.evaluator = TestEvaluator(scoring, n_bins, openqa)
 
-    # ----- evaluation (shared) -----
+    # ----- evaluation (the evaluator's; Lightning drives it through these hooks) -----
+    @property
+    def predictions(self) -> MCQAPredictions | OpenQAPredictions | None:
+        """The last test pass's predictions."""
+        return self.evaluator.predictions
+
+    @property
+    def eval_max_length(self) -> int | None:
+        """The setting's longest MCQA prompt (the fitted data module's), None without one."""
+        return getattr(getattr(self._trainer, "datamodule", None), "eval_max_length", None)
+
     def _test_loader(self):
         loader = self.trainer.test_dataloaders
         return loader[0] if isinstance(loader, list | tuple) else loader
 
-    def probe_batch(self, size: int) -> dict | None:
-        """The first `size` test questions as one batch (for choosing the option tokens)."""
-        loader = self._test_loader()
-        records = [loader.dataset[i] for i in range(min(size, len(loader.dataset)))]
-        if not records:
-            return None
-        return move_data_to_device(loader.collate_fn(records), self.device)
-
     def on_test_start(self) -> None:
         self.model.eval()
-        self._test_rows = []
-        self._acc_norm_rows = []
-        dataset = self._test_loader().dataset
-        self._open_ended = len(dataset) > 0 and isinstance(dataset[0], OpenQARecord)
-        if self._open_ended:
-            return
-        self.option_tokens = self.scorer.test_option_tokens(self)
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        # The test loader hands whole batches to the processes in turn (data module): this
-        # is the batch's index in the single-process order, whatever the world size.
-        rank, size = world()
-        index = batch_idx * size + rank
-        if self._open_ended:
-            # Each batch draws from its own stream, seeded by its index: the same samples on
-            # any number of processes, and for base and method in one run (common random
-            # numbers for their comparison).
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(self.openqa.seed * 1_000_003 + index)
-            rows = score_openqa_batch(self.model, self.tokenizer, batch, self.openqa, generator)
-            self._test_rows.append((index, rows))
-            return
-        before = len(self._acc_norm_rows)
-        probs, predicted = self.option_probabilities(batch)
-        acc_norm = self._acc_norm_rows[before:]  # the scorer's side choices for this batch
-        del self._acc_norm_rows[before:]
-        self._test_rows.append(
-            (
-                index,
-                (
-                    list(batch["ids"]),
-                    probs.double().cpu(),
-                    batch["labels"].cpu(),
-                    None if predicted is None else predicted.cpu(),
-                    [(a.cpu(), y.cpu()) for a, y in acc_norm],
-                ),
-            )
+        self.option_tokens = self.evaluator.start(
+            self._test_loader(), self.model, self.tokenizer, self.device, self.option_tokens
         )
 
-    def _n_test(self) -> int:
-        return len(self._test_loader().dataset)
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        if self.evaluator.open_ended:
+            self.evaluator.sample(self.model, self.tokenizer, batch, batch_idx, self.device)
+        else:
+            self.evaluator.add(batch, batch_idx, self.option_probabilities(batch))
 
-    def _gathered_rows(self) -> list:
-        """Every process's test batches (one process: its own), in single-process order."""
-        entries = [e for rows in gather_objects(self._test_rows) for e in rows]
-        n_global = getattr(self._test_loader().batch_sampler, "n_global", None)
-        if n_global is not None:  # drop the copies idle processes scored (runtime/distributed.py)
-            entries = [e for e in entries if e[0] < n_global]
-        return [rows for _, rows in sorted(entries, key=lambda e: e[0])]
-
-    def option_probabilities(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def option_probabilities(self, batch: dict) -> ScoredOptions:
         """(B, K) option probabilities and, for methods that state their answer apart from
-        the probabilities, the (B,) answers (None = the argmax). Methods that produce their
-        confidence differently (IC, CAPE, elicitation) override this, nothing else."""
-        logits, side = self.scorer.option_logits(self, batch)
-        if side is not None:  # e.g. cloze's acc_norm choice, for `extra_metrics`
-            self._acc_norm_rows.append((side, batch["labels"].cpu()))
-        return torch.softmax(logits.double(), dim=-1), None
+        the probabilities, the (B,) answers (None = the argmax); the scorer's side choices
+        (cloze's acc_norm) ride along. Methods that produce their confidence differently
+        (IC, CAPE, elicitation) override this, nothing else."""
+        logits, side = self.scorer.option_logits(
+            self.model, self.tokenizer, batch, self.option_tokens, self.eval_max_length
+        )
+        return ScoredOptions(torch.softmax(logits.double(), dim=-1), side=side)
 
     def on_test_epoch_end(self) -> None:
-        batches = self._gathered_rows()
-        if self._open_ended:
-            rows = [r for batch in batches for r in batch]
-            if len(rows) > self._n_test():
-                rows = unique_by_id(rows, lambda r: r["id"])
-            self.predictions = OpenQAPredictions(rows, self.openqa)
-        else:
-            self.predictions = self._mcqa_predictions(batches)
-        metrics = self.predictions.report(self.n_bins)
+        metrics = self.evaluator.finish()
         self.log_dict({f"test/{k}": float(v) for k, v in metrics.items()}, sync_dist=False)
-        self._test_rows = []
-
-    def _mcqa_predictions(self, batches: list) -> MCQAPredictions:
-        ids = [i for rows, _, _, _, _ in batches for i in rows]
-        probs = torch.cat([p for _, p, _, _, _ in batches]).numpy()
-        labels = torch.cat([y for _, _, y, _, _ in batches]).numpy()
-        stated = [a for _, _, _, a, _ in batches]
-        predicted = None if stated[0] is None else torch.cat(stated).numpy()
-        acc_norm = [row for *_, rows in batches for row in rows]
-        keep = list(range(len(ids)))
-        if len(ids) > self._n_test():  # a padding sampler repeated questions: count each once
-            keep = unique_by_id(keep, ids.__getitem__)
-            ids = [ids[i] for i in keep]
-            probs, labels = probs[keep], labels[keep]
-            predicted = None if predicted is None else predicted[keep]
-        extra = {}
-        if acc_norm:
-            chosen = torch.cat([p for p, _ in acc_norm])
-            gold = torch.cat([y for _, y in acc_norm])
-            if len(keep) < len(chosen):
-                chosen, gold = chosen[keep], gold[keep]
-            extra.update(self.scorer.extra_metrics(chosen, gold))
-        return MCQAPredictions(ids, probs, labels, self.option_tokens, predicted, extra)
 
     def check_arguments(self, **values) -> None:
         """The class's `config_rules` applied to constructor arguments: the same checks the
-        pipeline runs on the config before any model loads (config_checks.py). Each class
+        pipeline runs on the config before any model loads (runtime/validation.py). Each class
         checks the arguments it takes (a rule `a.b` belongs to the argument `a`)."""
         rules = merged_rules(type(self))
         mine = {key: rule for key, rule in rules.items() if key.split(".")[0] in values}

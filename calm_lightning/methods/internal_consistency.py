@@ -4,6 +4,7 @@ layer's stated answer is the share of logit-lens layers whose top option agrees 
 from __future__ import annotations
 
 from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.evaluator import ScoredOptions
 from calm_lightning.methods.base import CalibrationMethod, stated_answer_probs
 from calm_lightning.models.logit_lens import lens_option_logits
 
@@ -41,4 +42,4 @@ class InternalConsistency(CalibrationMethod):
         if layers.shape[1] == 0:
             raise ConfigError("internal consistency needs more than one lens layer")
         confidence = (layers.argmax(-1) == answer[:, None]).double().mean(1)
-        return stated_answer_probs(confidence, answer, lens.shape[-1]), answer
+        return ScoredOptions(stated_answer_probs(confidence, answer, lens.shape[-1]), answer)

@@ -2,32 +2,27 @@
 
 Instruction batches carry labels aligned with `input_ids` (-100 on prompt and padding); the
 logit at position t predicts token t + 1, so response positions are where `labels[:, 1:]` is
-not -100. Only those rows of the (B, L, V) logits are pushed through the head and the losses,
-which keeps the vocabulary-wide tensors as small as the response.
+not -100 (data/collate.py). Only those rows of the (B, L, V) logits are pushed through the
+head and the losses, which keeps the vocabulary-wide tensors as small as the response.
+
+An objective reads one of two distributions (its mode): `vocab`, every response token's
+next-token distribution, or `options`, the option distribution evaluation scores, which the
+MCQA scorer computes from a batch (`training_logits`, evaluation/scorers.py: the option letters
+at the answer slot, or option likelihood). `adjusted_predictions` reads either from raw logits
+the caller already has; there `options` is the letters (a lower level's answer under letter
+scoring; under cloze scoring the answer is its text, `vocab`: the scorer's `answer_is_option`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from calm_lightning.data.collate import IGNORE_INDEX
-from calm_lightning.evaluation.cloze import separate_loglik
+from calm_lightning.data.collate import response_positions, select_response_logits
+from calm_lightning.evaluation.mcqa import answer_slot_rows
 
-
-def response_positions(labels: torch.Tensor) -> torch.Tensor:
-    """Boolean (B, L - 1) mask of positions whose next token is a response token."""
-    return labels[:, 1:] != IGNORE_INDEX
-
-
-def select_response_logits(logits: torch.Tensor, labels: torch.Tensor):
-    """(N, V) logits at response positions and their (N,) next-token targets."""
-    mask = response_positions(labels)
-    if not mask.any():
-        raise ValueError("the batch has no response tokens (all labels are -100)")
-    return logits[:, :-1][mask], labels[:, 1:][mask]
+VOCAB, OPTIONS = "vocab", "options"
+MODES = (VOCAB, OPTIONS)
 
 
 def mean_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -46,26 +41,12 @@ def cross_entropy(adjusted: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(adjusted.float(), targets)
 
 
-def first_response_positions(labels: torch.Tensor) -> torch.Tensor:
-    """Index (per row) of the position that predicts the first response token (the answer
-    letter for MCQA examples)."""
-    mask = response_positions(labels)
-    if not mask.any(dim=1).all():
-        raise ValueError("a row has no response tokens")
-    return mask.float().argmax(dim=1)
-
-
-MODES = ("vocab", "options", "cloze")
-
-
 def objective_count(batch: dict, mode: str) -> int:
     """How many items a mean over this batch's predictions in `mode` averages over: response
-    tokens (`vocab`), questions (`options`, `cloze`). Data parallelism weights each process's
-    mean by it (distributed.GlobalMean)."""
-    if mode == "vocab":
+    tokens (`vocab`), questions (`options`; a letter- or cloze-format batch has one labels row
+    per question). Data parallelism weights each process's mean by it (distributed.GlobalMean)."""
+    if mode == VOCAB:
         return int(response_positions(batch["labels"]).sum())
-    if mode == "cloze":
-        return int(batch["answers"].shape[0])
     return int(batch["labels"].shape[0])
 
 
@@ -75,20 +56,14 @@ def select_predictions(
     """The rows of raw logits a training objective scores, and their targets.
 
     vocab: every response position over the full vocabulary; targets are next-token ids.
-    options: the answer slot (first response position) of MCQA examples; the caller restricts
+    options: the option letters at the answer slot (evaluation/mcqa.py); the caller restricts
     it to `option_ids`, and targets are option indices (which letter the response starts with).
     """
-    if mode == "vocab":
+    if mode not in MODES:
+        raise ValueError(f"objective mode {mode!r} is not one of {', '.join(MODES)}")
+    if mode == VOCAB:
         return select_response_logits(raw, labels)
-    if mode != "options":
-        raise ValueError(f"objective mode {mode!r} is not one of vocab, options here")
-    rows = torch.arange(raw.shape[0], device=raw.device)
-    slot = first_response_positions(labels)
-    letters = labels[rows, slot + 1]
-    match = letters[:, None] == option_ids[None, :]
-    if not match.any(dim=1).all():
-        raise ValueError("a training answer does not start with one of the option letter tokens")
-    return raw[rows, slot], match.float().argmax(dim=1)
+    return answer_slot_rows(raw, labels, option_ids)
 
 
 def adjusted_predictions(
@@ -102,58 +77,7 @@ def adjusted_predictions(
     """`select_predictions` followed by the model's logit adjustment (fp32); with
     `head_params`, the head computed with those tensors in place of its own (a surrogate)."""
     rows, targets = select_predictions(raw, labels, mode, option_ids)
-    ids = option_ids if mode == "options" else None
+    ids = None if mode == VOCAB else option_ids
     if head_params is not None:
         return torch.func.functional_call(model.head, head_params, (rows, ids)), targets
     return model.adjust(rows, ids), targets
-
-
-@dataclass
-class ClozePredictions:
-    """A cloze-format MCQA batch scored by option likelihood (differentiable)."""
-
-    logits: torch.Tensor  # (B, K) fp32 option logits (summed log-likelihoods, per `normalize`)
-    targets: torch.Tensor  # (B,) gold option index
-    answer_ce: torch.Tensor  # token-mean cross-entropy of the gold options' continuation tokens
-    answer_tokens: int = 1  # how many tokens answer_ce averages over
-
-
-def cloze_predictions(model, batch: dict, normalize: str = "none", params=None):
-    """The option distribution cloze evaluation scores, with gradients: each option's summed
-    log-probability of its continuation under the adjusted model (the head over the full
-    vocabulary at every token), from one forward of the batch's B * K prompt + option rows.
-    The same forward gives the answer text's cross-entropy (the gold rows' tokens)."""
-    if "cloze" not in batch:
-        raise ValueError(
-            "a cloze objective needs cloze-format MCQA batches (evaluation.scoring=cloze with "
-            "MCQA training / held-out data)"
-        )
-    rows = batch["cloze"]
-    answers = batch["answers"]
-    b = answers.shape[0]
-    loglik = separate_loglik(model, rows, params=params).view(b, -1)
-    k = loglik.shape[1]
-    gold = loglik[torch.arange(b, device=loglik.device), answers]
-    gold_tokens = rows["n_tokens"].view(b, k)[torch.arange(b), answers.cpu()].sum()
-    answer_ce = -(gold.sum() / gold_tokens.to(gold.device)).float()
-    lengths = {"none": None, "tokens": rows["n_tokens"], "chars": rows["n_chars"]}[normalize]
-    logits = loglik if lengths is None else loglik / lengths.clamp(min=1).view(b, k)
-    return ClozePredictions(logits.float(), answers, answer_ce, int(gold_tokens))
-
-
-def predictions(
-    model,
-    batch: dict,
-    mode: str,
-    option_ids: torch.Tensor | None = None,
-    params=None,
-    normalize: str = "none",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The adjusted logits an objective scores and their targets, whatever the mode: one
-    forward of the batch (`vocab`, `options`) or of its cloze rows (`cloze`: (B, K) option
-    logits, targets the gold options)."""
-    if mode == "cloze":
-        scored = cloze_predictions(model, batch, normalize, params)
-        return scored.logits, scored.targets
-    raw = model.raw_logits(batch["input_ids"], batch["attention_mask"], params=params)
-    return adjusted_predictions(model, raw, batch["labels"], mode, option_ids)

@@ -21,6 +21,7 @@ import torch
 from calm_lightning.config_rules import Number, OneOf
 from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, render_prompt
 from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.evaluator import ScoredOptions
 from calm_lightning.evaluation.mcqa import score_options
 from calm_lightning.evaluation.verbalized import parse_answer_letter, parse_confidence
 from calm_lightning.methods.base import CalibrationMethod, stated_answer_probs
@@ -98,7 +99,7 @@ class CAPE(_RecordsByIdMixin, CalibrationMethod):
                 out.append(torch.softmax(logits.double(), -1).cpu())
             return torch.cat(out)
 
-        return permutation_average(records, score, self.permutations), None
+        return ScoredOptions(permutation_average(records, score, self.permutations))
 
 
 # ----- verbalised confidence -----
@@ -191,7 +192,7 @@ class Elicitation(_RecordsByIdMixin, CalibrationMethod):
                 {"id": records[row].id, "text": text, "answer": answer, "confidence": confidence}
             )
         answer = torch.tensor(answers)
-        return stated_answer_probs(torch.tensor(confidences), answer, k), answer
+        return ScoredOptions(stated_answer_probs(torch.tensor(confidences), answer, k), answer)
 
     def on_test_epoch_end(self) -> None:
         super().on_test_epoch_end()

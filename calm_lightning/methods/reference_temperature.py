@@ -38,11 +38,7 @@ from calm_lightning.config_rules import Number, OneOf
 from calm_lightning.data.collate import pad_left
 from calm_lightning.data.prompts import mcqa_plain_prompt, mcqa_user_text, render_prompt
 from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.mcqa import (
-    OptionTokens,
-    choose_option_tokens,
-    option_token_candidates,
-)
+from calm_lightning.evaluation.mcqa import OptionTokens, option_token_candidates
 from calm_lightning.methods.base import PosthocTemperature
 from calm_lightning.models.logit_lens import lens_option_logits
 from calm_lightning.runtime.distributed import is_main_process
@@ -236,13 +232,7 @@ class ReferenceTemperature(PosthocTemperature):
     @torch.no_grad()
     def predict_step(self, batch: dict, batch_idx: int) -> None:
         if self.option_tokens is None:
-            self.option_tokens = choose_option_tokens(
-                self.model,
-                self.tokenizer,
-                batch,
-                self.scorer.option_token_style,
-                batch["n_options"],
-            )
+            self.option_tokens = self.scorer.select_option_tokens(self.model, self.tokenizer, batch)
         if self._reference is None:
             self._reference = self._load_reference(batch["n_options"])
         options = self.option_tokens.tensor(self.device)

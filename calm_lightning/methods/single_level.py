@@ -18,12 +18,11 @@ from lightning.pytorch.utilities import move_data_to_device
 from calm_lightning.config_rules import Number, OneOf
 from calm_lightning.errors import ConfigError
 from calm_lightning.methods.objectives import (
+    VOCAB,
     adjusted_predictions,
-    cloze_predictions,
     cross_entropy,
     mean_entropy,
     response_positions,
-    select_response_logits,
 )
 from calm_lightning.methods.training import TrainingMethod, first_non_finite
 
@@ -93,7 +92,7 @@ class SingleLevelMethod(TrainingMethod):
         self.initial_pass_batches = initial_pass_batches
         self.lr = float(lr)
         self.objective = objective
-        self.mode = "vocab"
+        self.mode = VOCAB
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -111,23 +110,19 @@ class SingleLevelMethod(TrainingMethod):
 
     def scored_predictions(self, batch: dict, answer_ce: bool = False) -> Scored:
         """A training batch in this method's mode. The answer cross-entropy (next-token CE
-        over every response token through the head: the answer letter's in letter mode, the
-        answer text's in cloze mode) comes free in cloze mode (same forward); otherwise it is
-        computed only when `answer_ce` asks."""
-        if self.mode == "cloze":
-            scored = cloze_predictions(self.model, batch, self.scorer.normalize)
-            return Scored(scored.answer_ce, scored.logits, scored.targets, scored.answer_tokens)
-        raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
-        logits, targets = adjusted_predictions(
-            self.model, raw, batch["labels"], self.mode, self.option_ids
-        )
-        if not answer_ce:
-            return Scored(None, logits, targets, 0)
-        if self.mode == "vocab":
+        over every response token through the head: the answer letter's under letter scoring,
+        the answer text's under cloze scoring) comes free with cloze scoring (same forward);
+        otherwise it is computed only when `answer_ce` asks."""
+        if self.mode == VOCAB:
+            raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])
+            logits, targets = adjusted_predictions(self.model, raw, batch["labels"], VOCAB)
+            if not answer_ce:
+                return Scored(None, logits, targets, 0)
             return Scored(cross_entropy(logits, targets), logits, targets, targets.numel())
-        selected, next_tokens = select_response_logits(raw, batch["labels"])
-        ce = cross_entropy(self.model.adjust(selected), next_tokens)
-        return Scored(ce, logits, targets, next_tokens.numel())
+        scores = self.scorer.training_logits(
+            self.model, batch, self.option_ids, answer_ce=answer_ce
+        )
+        return Scored(scores.answer_ce, scores.logits, scores.targets, scores.answer_tokens)
 
     def loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss to backward and what to log. Under data parallelism each term is weighted
@@ -174,7 +169,7 @@ class SingleLevelMethod(TrainingMethod):
                 batch = move_data_to_device(batch, self.device)
                 _, logits, targets, _ = self.scored_predictions(batch)
                 ids = list(batch["ids"])
-                if self.mode == "vocab":
+                if self.mode == VOCAB:
                     counts = response_positions(batch["labels"]).sum(1).tolist()
                     ids = [i for i, n in zip(ids, counts, strict=True) for _ in range(n)]
                 yield ids, logits.float().softmax(-1), targets
@@ -194,8 +189,8 @@ class Regularization(SingleLevelMethod):
 
     def loss(self, batch):
         answer_ce, logits, targets, answer_tokens = self.scored_predictions(batch)
-        # Letter mode: CE of the option letters; cloze mode: CE of the answer text, with the
-        # entropy of the cloze option distribution.
+        # Letter scoring: CE of the option letters; cloze scoring: CE of the answer text, with
+        # the entropy of the cloze option distribution.
         if answer_ce is None:
             answer_ce, answer_tokens = cross_entropy(logits, targets), targets.numel()
         ce = self.distributed_mean(answer_ce, answer_tokens)
@@ -253,11 +248,11 @@ class LabelSmoothing(SingleLevelMethod):
     def loss(self, batch):
         _, logits, targets, _ = self.scored_predictions(batch)
         accuracy = self._accuracy_of(batch, logits.shape[0], logits.device)
-        if self.mode in ("options", "cloze"):
+        if self.mode == VOCAB:
+            loss = smoothed_vocab_cross_entropy(logits, targets, accuracy)
+        else:  # the option distribution: K-way soft labels
             soft = smoothed_targets(targets, accuracy, logits.shape[-1])
             loss = soft_cross_entropy(logits, soft)
-        else:
-            loss = smoothed_vocab_cross_entropy(logits, targets, accuracy)
         eps = self.distributed_mean((1 - accuracy).mean(), logits.shape[0])
         return self.distributed_mean(loss, logits.shape[0]), {"mean_eps": float(eps)}
 

@@ -85,8 +85,15 @@ class TemperatureScaling(PosthocTemperature):
         self.model.head = None  # fit on the model's own logits, not through the current head
         try:
             if self._kind == "mcqa":
+                if self.option_tokens is None:  # no base row scored yet: choose them here
+                    self.option_tokens = self.scorer.select_option_tokens(
+                        self.model, self.tokenizer, batch
+                    )
                 # The scorer's own option distribution (letters, or option likelihood).
-                self._rows.append(self.scorer.temperature_rows(self, batch))
+                rows = self.scorer.temperature_rows(
+                    self.model, self.tokenizer, batch, self.option_tokens, self.eval_max_length
+                )
+                self._rows.append(rows)
                 self._targets.append(batch["labels"].cpu())
             else:
                 raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"])

@@ -13,7 +13,7 @@ import torch
 from calm_lightning.config_rules import Number
 from calm_lightning.errors import CalmLightningError, ConfigError
 from calm_lightning.methods.base import CalibrationMethod
-from calm_lightning.methods.objectives import predictions
+from calm_lightning.methods.objectives import OPTIONS, VOCAB, adjusted_predictions
 from calm_lightning.runtime.distributed import GlobalMean, any_rank, gather_objects, world
 from calm_lightning.runtime.run_record import LAST_GOOD_CHECKPOINT, checkpoint_file
 from calm_lightning.runtime.strategies import uses_fsdp
@@ -70,7 +70,7 @@ class TrainingMethod(CalibrationMethod):
     supports_fsdp: ClassVar[bool] = True
     changes_model = True
     # With cloze scoring, MCQA training data trains on the answer text and option-level
-    # objectives read the cloze option distribution (`resolve_mode`, objectives.py).
+    # objectives read the cloze option distribution (the scorer's `training_logits`).
     scorers = ("letter", "cloze")
     config_rules: ClassVar[dict] = {
         "warmup_ratio": Number(minimum=0, maximum=1),
@@ -141,40 +141,37 @@ class TrainingMethod(CalibrationMethod):
         return getattr(source, "kind", "instruction")
 
     def resolve_mode(self, requested: str, split: str) -> str:
-        """`auto` = the option distribution for MCQA data, the full vocabulary otherwise. The
-        option distribution is the one evaluation scores: the option letters at the answer
-        slot (`options`) with letter scoring, option likelihood (`cloze`) with cloze scoring."""
-        mcqa = self.data_kind(split) == "mcqa"
+        """`auto` = the option distribution (`options`) for MCQA data, the full vocabulary
+        (`vocab`) otherwise. The option distribution is the one evaluation scores, as the
+        scorer computes it: the option letters at the answer slot, or option likelihood."""
         if requested == "auto":
-            requested = "options" if mcqa else "vocab"
-        if requested == "options" and mcqa:
-            return self.scorer.option_mode
+            return OPTIONS if self.data_kind(split) == "mcqa" else VOCAB
         return requested
 
-    @staticmethod
-    def answer_text_mode(mode: str) -> str:
-        """A lower level's mode: on cloze-format MCQA data the lower level is the answer text's
-        cross-entropy (`vocab` over the gold option's tokens), not the option distribution's."""
-        return "vocab" if mode == "cloze" else mode
+    def answer_text_mode(self, mode: str) -> str:
+        """A lower level's mode: the answer's cross-entropy. Where the answer is an option (the
+        letter) that is the option distribution's; on cloze-format MCQA data it is the answer
+        text's (`vocab` over the gold option's tokens)."""
+        return mode if self.scorer.answer_is_option else VOCAB
 
     def scored(self, batch: dict, mode: str, params=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`objectives.predictions` with this method's option ids and cloze normalisation."""
-        return predictions(
-            self.model, batch, mode, self.option_ids, params=params, normalize=self.scorer.normalize
-        )
+        """The adjusted logits an objective in `mode` scores and their targets: one forward of
+        the batch over the vocabulary, or the scorer's option distribution (with this
+        method's option ids)."""
+        if mode == VOCAB:
+            raw = self.model.raw_logits(batch["input_ids"], batch["attention_mask"], params=params)
+            return adjusted_predictions(self.model, raw, batch["labels"], VOCAB)
+        scores = self.scorer.training_logits(self.model, batch, self.option_ids, params=params)
+        return scores.logits, scores.targets
 
     def set_option_ids(self, *modes: str) -> None:
         """Look up the option letters' token ids (as training targets spell them) when any of
-        the objectives' modes scores options."""
-        if "options" not in modes:
+        the objectives' modes scores options and the scorer reads them."""
+        if all(mode == VOCAB for mode in modes):
             self.option_ids = None
             return
-        from calm_lightning.evaluation.mcqa import option_token_candidates
-
-        candidates = option_token_candidates(self.tokenizer)
-        style = self.scorer.option_token_style
-        style = style if style in candidates else None
-        self.option_ids = candidates[style or next(iter(candidates))].tensor(self.device)
+        ids = self.scorer.training_option_ids(self.tokenizer)
+        self.option_ids = None if ids is None else ids.to(self.device)
 
     # ----- data parallelism (runtime/distributed.py; identities on one process) -----
     def distributed_mean(self, term: torch.Tensor, count) -> torch.Tensor:
