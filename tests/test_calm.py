@@ -390,6 +390,7 @@ def _run_outer_steps(module: CALM, batches: list[dict], feed=None) -> list:
     return out
 
 
+@pytest.mark.integration
 def test_amortized_first_step_with_m_equal_t_is_the_per_step_estimator(
     demo_datamodule, tiny_loaded
 ):
@@ -526,6 +527,7 @@ def test_inner_drop_is_g_theta_minus_g_surrogate_by_hand(demo_datamodule, tiny_l
     assert expected.item() > 1e-3  # inner_lr 0.5 moved the surrogate (1e-3 would barely)
 
 
+@pytest.mark.integration
 def test_amortized_surrogate_goes_into_the_checkpoint(demo_datamodule, tiny_loaded, tmp_path):
     amortized = {"schedule": "amortized", "steps": 1}
     module = _tiny_calm(tiny_loaded, inner_optimizer="adam", surrogate=amortized)
@@ -547,6 +549,7 @@ def test_amortized_surrogate_goes_into_the_checkpoint(demo_datamodule, tiny_load
     assert fresh.history == module.history
 
 
+@pytest.mark.integration
 def test_a_run_plots_its_outer_step_curves(demo_datamodule, tiny_loaded, tmp_path):
     module = _tiny_calm(tiny_loaded, surrogate={"schedule": "amortized", "steps": 1})
     fitted = module.calibrate(_trainer(tmp_path, steps=3), demo_datamodule(tiny_loaded.tokenizer))
@@ -586,6 +589,7 @@ def _iterate(tiny_loaded):
     return Iterate(model, tiny_loaded.tokenizer, lower_steps=1, warmup_ratio=0.0)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["calm", "reg", "iterate"])
 def test_max_steps_gives_that_many_outer_steps_batches_and_a_full_schedule(
     demo_datamodule, tiny_loaded, tmp_path, method

@@ -704,6 +704,7 @@ def test_fold_head_is_exact_where_it_folds_and_refuses_where_it_cannot(compose):
     assert "adapter" in fold_obstacle(scalar, model, adapted_output=True)
 
 
+@pytest.mark.integration
 def test_a_calm_export_carries_its_head_as_custom_code(calm_run, exported, tmp_path):
     """Must-show: the CALM vector head (per-token l: not foldable) loaded with
     trust_remote_code where `import calm_lightning` fails gives the calibrated next-token
