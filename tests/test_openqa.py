@@ -52,6 +52,7 @@ def test_settings_refuse_unknown_confidence():
         OpenQASettings(confidence="mean")
 
 
+@pytest.mark.integration
 def test_sampler_token_frequencies_match_generate(tiny_loaded):
     """First answer token over many draws: the cached sampler and `generate(do_sample=True)`
     both follow the model's own next-token distribution."""
