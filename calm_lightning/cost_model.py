@@ -90,6 +90,11 @@ MODEL_SHAPES = {
     "gemma3_27b_it": "gemma3_27b",
     "gemma3_27b": "gemma3_27b",
 }
+# model=tiny's dimensions when its config leaves them out (models/loading.py's defaults).
+TINY_DEFAULTS = {
+    "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
+    "num_kv_heads": 2,
+}  # fmt: skip
 TINY_VOCABULARY = 49152  # model=tiny / tiny_plm: the embedded SmolLM2 tokenizer's vocabulary
 
 # CALM paper, Table 10: one 7-8B model on one A100 40G, a complete run at 5 epochs.
@@ -133,14 +138,17 @@ def model_shape(model: dict) -> Shape | None:
         return SHAPES.get(str(model["shape"]))
     if model.get("source") == "tiny":
         tiny = model.get("tiny") or {}
-        h = int(tiny.get("hidden_size", 64))
-        return Shape(
-            "llama", "model=tiny", h, int(tiny.get("intermediate_size", 128)),
-            int(tiny.get("num_layers", 2)), int(tiny.get("num_heads", 4)),
-            int(tiny.get("num_kv_heads", 2)), TINY_VOCABULARY, 1024, 10000.0, 1e-5, True,
-        )  # fmt: skip
+        dims = [_size(tiny, key, default) for key, default in TINY_DEFAULTS.items()]
+        return Shape("llama", "model=tiny", *dims, TINY_VOCABULARY, 1024, 10000.0, 1e-5, True)
     name = MODEL_SHAPES.get(str(model.get("name")))
     return SHAPES[name] if name else None
+
+
+def _size(node: dict, key: str, default: int) -> int:
+    """A tiny model's dimension; an unresolved interpolation (a config read without its
+    parent) counts as the loader's default."""
+    value = node.get(key, default)
+    return int(value) if str(value).isdigit() else default
 
 
 def matmul_parameters(shape: Shape) -> int:

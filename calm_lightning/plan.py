@@ -198,7 +198,7 @@ def describe(overrides: list[str]) -> Job:
 def _describe_costs(job: Job, cfg) -> None:
     """What the cost model needs from a composed config."""
     select, setting = OmegaConf.select, cfg.setting
-    model = OmegaConf.to_container(cfg.model, resolve=False)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
     job.shape = cost_model.model_shape(model)
     job.quantized = str(model.get("quantization", "auto")) in ("auto", "nf4")  # auto: nf4 on GPU
     job.lora_r = int(select(cfg, "peft.r", default=0) or 0)
@@ -211,7 +211,7 @@ def _describe_costs(job: Job, cfg) -> None:
         job.sampling = (int(openqa.n_samples), int(openqa.max_new_tokens))
     reference = select(cfg, "reference_model", default=None)
     if reference is not None and str(reference.get("name", "none")) != "none":
-        ref = OmegaConf.to_container(reference, resolve=False)
+        ref = OmegaConf.to_container(reference, resolve=True)
         job.reference_shape = cost_model.model_shape(ref)
         job.reference_quantized = str(ref.get("quantization", "none")) == "nf4"
 
