@@ -143,12 +143,24 @@ def _compose(overrides: list[str], hydra: bool = False):
         return compose("run", overrides=overrides, return_hydra_config=hydra)
 
 
+# Rows of hub datasets whose training split is "all the rest" (train_size: null), from their
+# dataset cards: PopQA is 14,267 questions in one split.
+HUB_ROWS = {"akariasai/PopQA": 14_267}
+
+
 def split_rows(node) -> int | None:
     """How many rows a data node's split has, from its config (None: only the files know)."""
+    if "fit_fraction" in node and "source" in node:  # a fit / test carving of a pool
+        pool = split_rows(node.source)
+        fit = round(float(node.fit_fraction) * pool) if pool else None
+        return None if pool is None else (fit if node.get("part") == "fit" else pool - fit)
     split = node.get("split")
     size = None
     if f"{split}_size" in node:  # alpaca-style: train_size / heldout_size / test_size
         size = node.get(f"{split}_size")
+        if size is None and split == "train" and node.get("hub_id") in HUB_ROWS:
+            taken = [node.get(k) or 0 for k in ("eval_size", "heldout_size", "test_size")]
+            size = HUB_ROWS[node.hub_id] - sum(taken)
     elif "sizes" in node and split in node.sizes:  # mcqa-style blocks
         size = node.sizes[split]
     limit = node.get("limit")
@@ -209,7 +221,8 @@ def _describe_costs(job: Job, cfg) -> None:
     if test_target.endswith("OpenQASource"):
         openqa = cfg.evaluation.openqa
         job.sampling = (int(openqa.n_samples), int(openqa.max_new_tokens))
-    reference = select(cfg, "reference_model", default=None)
+    # Only methods whose module takes the reference (daca, dual_align) load the PLM.
+    reference = select(cfg, "method.module.reference_model", default=None)
     if reference is not None and str(reference.get("name", "none")) != "none":
         ref = OmegaConf.to_container(reference, resolve=True)
         job.reference_shape = cost_model.model_shape(ref)
