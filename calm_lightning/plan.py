@@ -308,8 +308,19 @@ def plan_record(jobs: list[Job], device: str, measured: dict | None) -> dict:
             "model": j.model,
             "overrides": j.overrides,
             "steps": j.train_steps,
-            **{k: j.estimate.get(k) for k in ("step_s", "train_s", "eval_s", "gpu_hours",
-                                              "peak_gib", "fits", "utilisation", "basis")},
+            **{
+                k: j.estimate.get(k)
+                for k in (
+                    "step_s",
+                    "train_s",
+                    "eval_s",
+                    "gpu_hours",
+                    "peak_gib",
+                    "fits",
+                    "utilisation",
+                    "basis",
+                )
+            },
         }  # fmt: skip
         for j in jobs
     ]

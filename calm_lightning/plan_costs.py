@@ -58,8 +58,10 @@ def _evaluation(job, shape, device, share) -> float:
         total += cm.seconds((job.train_rows or 0) * job.max_length * train_fwd, device, share)
     if job.sampling:  # open QA Sem-ECE: n samples of up to max_new_tokens per question
         samples, new_tokens = job.sampling
-        total += passes * (job.eval_rows or 0) * cm.decode_seconds(
-            shape, job.quantized, new_tokens, samples, device, share
+        total += (
+            passes
+            * (job.eval_rows or 0)
+            * cm.decode_seconds(shape, job.quantized, new_tokens, samples, device, share)
         )
     if job.reference_shape is not None and not job.train_steps:
         # Post-hoc reference methods: the PLM's forward (and its logit-lens readout, one head
