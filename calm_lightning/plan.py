@@ -252,7 +252,7 @@ def _hours(seconds) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 360 else f"{seconds:.0f} s"
 
 
-def print_plan(jobs: list[Job], device: str, measured: dict | None) -> None:
+def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None) -> None:
     common = set.intersection(*(set(j.overrides) for j in jobs)) if jobs else set()
     spec = cost_model.get_device(device)
     print(f"{len(jobs)} jobs; every job has: {' '.join(sorted(common))}")
@@ -266,6 +266,8 @@ def print_plan(jobs: list[Job], device: str, measured: dict | None) -> None:
             f"{measured['train']:.0%}" + (f", forward {measured['eval']:.0%}" if "eval" in measured
                                           else "")
         )  # fmt: skip
+        for line in plan_costs.calm_ratios(costs or {}):
+            print(f"  {line}")
     print()
     for index, job in enumerate(jobs):
         own = " ".join(o for o in job.overrides if o not in common)
@@ -356,7 +358,7 @@ def command(args, parser) -> int:
     measured = cost_model.calibrate(costs) if costs else None
     jobs = plan(args.target, args.overrides, device, costs)
     print(f"plan: {args.target} {shlex.join(args.overrides)}")
-    print_plan(jobs, device, measured)
+    print_plan(jobs, device, measured, costs)
     if args.json:
         record = plan_record(jobs, device, measured)
         record["command"] = shlex.join(["python -m calm_lightning.plan", args.target,

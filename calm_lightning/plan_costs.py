@@ -9,6 +9,8 @@ a looser upper bound (MCQA prompts are short), on a part of the job that is smal
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from calm_lightning import cost_model as cm
 
 CALM_METHODS = {"calm", "calm_stop"}
@@ -113,6 +115,32 @@ def _peak(job, shape, checkpointing: bool) -> float:
     return cm.peak_bytes(
         shape, job.quantized, tokens, lora, checkpointing, job.method in CALM_METHODS
     )
+
+
+def calm_ratios(costs: dict) -> list[str]:
+    """Each CALM step of a cost file against its reg step, measured and by the pass count
+    (`step_passes`): a check of the pass model wherever a GPU has measured both."""
+    steps, lines = costs.get("steps", {}), []
+    shape = cm.model_shape(costs.get("model", {}))
+    if shape is None or "reg" not in steps:
+        return lines
+    seq, lora = int(costs["seq"]), int(steps["reg"].get("trainable", 0))
+    forward_share = cm.forward_flops(shape, seq, lora) / cm.training_pass_flops(
+        shape, seq, lora, False
+    )
+    for name in ("calm", "per_step", "amortized"):
+        if name not in steps:
+            continue
+        step = steps[name]
+        job = SimpleNamespace(
+            method="calm", schedule=step.get("schedule", "per_step"),
+            inner_steps=step.get("inner_steps"), surrogate_steps=step.get("surrogate_steps"),
+        )  # fmt: skip
+        train, heldout, forwards = step_passes(job)
+        model = train + heldout + forwards * forward_share
+        measured = step["step_s"] / steps["reg"]["step_s"]
+        lines.append(f"{name}: {measured:.1f} reg steps measured, {model:.1f} by the pass count")
+    return lines
 
 
 def paper_comparison(job, estimate_: dict) -> str | None:

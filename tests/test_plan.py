@@ -183,3 +183,31 @@ def test_every_configured_model_has_a_shape(group):
 def test_a_script_that_refuses_its_arguments_is_a_clear_error(capsys):
     assert plan.main([str(SCRIPT), "model=tiny", "nonsense"]) == 1
     assert "not an option or a key=value override: nonsense" in capsys.readouterr().err
+
+
+def test_a_gpu_cost_file_prints_its_calm_step_against_the_pass_count(tmp_path, capsys):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(_gpu_costs(0.4)))
+    assert plan.main(["+sweep=reg", "model=olmo2", "--costs", str(costs), "--device", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "training 40%" in out
+    # T = 20 passes + the entropy pass + one forward (2N of a 4N pass, a little more with LoRA)
+    (line,) = [x for x in out.splitlines() if x.strip().startswith("per_step:")]
+    model = float(line.split(", ")[1].split()[0])
+    assert "20.0 reg steps measured" in line and 21.4 < model < 21.6
+
+
+@pytest.mark.parametrize(
+    ("name", "gib", "device"),
+    [("NVIDIA H200", 140, "h200"), ("NVIDIA A100-SXM4-80GB", 80, "a100_80g"),
+     ("NVIDIA A100-SXM4-40GB", 40, "a100_40g"), ("NVIDIA H100 80GB HBM3", 80, "h100"),
+     ("NVIDIA L4", 22, "a100_40g")],
+)  # fmt: skip
+def test_the_default_device_is_the_local_gpu_else_the_papers_a100(monkeypatch, name, gib, device):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
+    props = type("Props", (), {"total_memory": gib * 2**30})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+    assert cost_model.default_device() == device
