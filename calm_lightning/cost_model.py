@@ -17,7 +17,6 @@ but not the input embedding, which is a lookup.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from calm_lightning.errors import ConfigError
@@ -113,17 +112,21 @@ def default_device() -> str:
         import torch
 
         if torch.cuda.is_available():
-            name = torch.cuda.get_device_name(0).lower()
             memory = torch.cuda.get_device_properties(0).total_memory / 2**30
-            if "h200" in name:
-                return "h200"
-            if "h100" in name:
-                return "h100"
-            if "a100" in name:
-                return "a100_80g" if memory > 60 else "a100_40g"
+            return _known_gpu(torch.cuda.get_device_name(0).lower(), memory) or DEFAULT_DEVICE
     except Exception:  # noqa: BLE001 (no torch / no driver: plan for the default device)
         pass
     return DEFAULT_DEVICE
+
+
+def _known_gpu(name: str, memory_gib: float) -> str | None:
+    """The DEVICES entry of a GPU by its (lower-case) name and memory, None if not listed."""
+    for key in ("h200", "h100"):
+        if key in name:
+            return key
+    if "a100" in name:
+        return "a100_80g" if memory_gib > 60 else "a100_40g"
+    return None
 
 
 def get_device(name: str) -> Device:
@@ -241,16 +244,14 @@ def peak_bytes(shape: Shape, quantized: bool, tokens: int, lora: int, checkpoint
 
 
 def inference_peak_bytes(shapes: list[tuple[Shape, bool]], tokens: int) -> float:
-    """Peak of an evaluation batch: the models' weights and one bf16 layer + fp32 logits."""
+    """Peak of an evaluation batch: the models' weights, one layer's transient tensors (the
+    residual stream, its normed copy, q and the attention output in bf16: 8h bytes per token,
+    and the MLP's intermediate: 2I) and the fp32 logits of the widest vocabulary."""
     total = sum(weight_bytes(s, q) for s, q in shapes)
     widest = max((s for s, _ in shapes), key=lambda s: s.hidden_size)
     total += tokens * (8 * widest.hidden_size + 2 * widest.intermediate_size)
     total += tokens * FP32_BYTES * max(s.vocab_size for s, _ in shapes)
     return total + CUDA_CONTEXT_GIB * 2**30
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / max(b, 1))
 
 
 def check_order(costs: dict) -> None:
@@ -280,12 +281,7 @@ def check_order(costs: dict) -> None:
 def device_of(costs: dict) -> str | None:
     """The DEVICES entry a cost file was measured on, None for a CPU or an unknown GPU."""
     text = str(costs.get("device", "")).lower()
-    for key, names in (("h200", ("h200",)), ("h100", ("h100",)), ("a100", ("a100",))):
-        if any(n in text for n in names):
-            if key == "a100":
-                return "a100_80g" if "80" in text else "a100_40g"
-            return key
-    return None
+    return _known_gpu(text, 80 if "80g" in text else 40)
 
 
 def calibrate(costs: dict) -> dict:
