@@ -32,6 +32,9 @@ from calm_lightning import cost_model, plan_costs
 from calm_lightning.errors import ConfigError
 from calm_lightning.models.shapes import Shape
 
+# Head-room on the longest job's estimate for a SLURM time limit: the estimate is an upper
+# bound on tokens but assumes a utilisation, and a job killed at its limit loses its work.
+SLURM_MARGIN = 0.25
 CALM_METHODS = plan_costs.CALM_METHODS  # the bilevel presets (one LightningModule, calm.py)
 _RECORDER = """#!{python}
 import json, os, sys
@@ -298,6 +301,11 @@ def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None) 
             f"total: {sum(known):.1f} GPU-hours on {device} for {len(known)} of {len(jobs)} "
             f"jobs; largest peak {peak:.1f} GiB"
         )
+        print(
+            f"SLURM (hydra/launcher=slurm): hydra.launcher.timeout_min="
+            f"{slurm_timeout_min(max(known))} covers the longest job with a "
+            f"{SLURM_MARGIN:.0%} margin"
+        )
     else:
         print("total: no estimate")
 
@@ -335,7 +343,13 @@ def plan_record(jobs: list[Job], device: str, measured: dict | None) -> dict:
         "jobs": records,
         "total_gpu_hours": sum(hours),
         "max_peak_gib": max(peaks) if peaks else None,
+        "slurm_timeout_min": slurm_timeout_min(max(hours)) if hours else None,
     }
+
+
+def slurm_timeout_min(gpu_hours: float) -> int:
+    """A SLURM wall-clock limit for a one-GPU job of `gpu_hours`, with the margin."""
+    return math.ceil(gpu_hours * 60 * (1 + SLURM_MARGIN))
 
 
 def add_arguments(parser) -> None:

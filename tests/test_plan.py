@@ -103,6 +103,8 @@ def test_table1_for_olmo2_on_an_a100_has_the_issues_orders_of_magnitude(olmo2_pl
     for job in calm:  # T = 20 passes + a forward + the entropy pass: ~21.5 reg steps
         assert 10 < job["step_s"] / reg["step_s"] < 30
     assert olmo2_plan["total_gpu_hours"] == pytest.approx(sum(j["gpu_hours"] for j in jobs))
+    longest = max(j["gpu_hours"] for j in jobs)  # a CALM job: far over the launcher's 12 h
+    assert olmo2_plan["slurm_timeout_min"] == math.ceil(longest * 60 * 1.25) > 720
 
 
 def test_calm_peak_is_over_an_a100_without_checkpointing_and_fits_with_it():
