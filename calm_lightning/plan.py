@@ -30,7 +30,8 @@ from omegaconf import OmegaConf
 
 from calm_lightning import cost_model, plan_costs
 from calm_lightning.errors import ConfigError
-from calm_lightning.models.shapes import Shape
+from calm_lightning.models.lora import checkpointing_enabled
+from calm_lightning.models.shapes import Shape, parameter_count
 
 # Head-room on the longest job's estimate for a SLURM time limit: the estimate is an upper
 # bound on tokens but assumes a utilisation, and a job killed at its limit loses its work.
@@ -69,6 +70,7 @@ class Job:
     lora_r: int = 0
     checkpointing: bool = False
     sampling: tuple[int, int] | None = None  # open QA: (samples, max new tokens) per question
+    train_source: str | None = None  # the training data's source class (plan_costs widths)
     reference_shape: Shape | None = None  # post-hoc methods' pre-trained reference model
     reference_quantized: bool = False
     estimate: dict = field(default_factory=dict)
@@ -217,7 +219,12 @@ def _describe_costs(job: Job, cfg) -> None:
     job.shape = cost_model.model_shape(model)
     job.quantized = str(model.get("quantization", "auto")) in ("auto", "nf4")  # auto: nf4 on GPU
     job.lora_r = int(select(cfg, "peft.r", default=0) or 0)
-    job.checkpointing = bool(select(cfg, "peft.gradient_checkpointing", default=False))
+    job.checkpointing = checkpointing_enabled(
+        select(cfg, "peft.gradient_checkpointing", default=False),
+        parameter_count(job.shape) if job.shape is not None else 0,
+    )
+    train_target = str(select(cfg, "setting.train._target_", default="") or "")
+    job.train_source = train_target.rsplit(".", 1)[-1] or None
     job.heldout_batch = int(setting.get("heldout_batch_size") or job.batch)
     job.eval_max_length = int(setting.get("eval_max_length", job.max_length))
     test_target = str(select(cfg, "setting.test._target_", default="") or "")
@@ -289,6 +296,12 @@ def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None) 
             print(
                 f"      with peft.gradient_checkpointing=true: peak "
                 f"{e['checkpointed_peak_gib']:.1f} GiB (one more forward per pass)"
+            )
+        if "uncheckpointed" in e:
+            print(
+                f"      fits without checkpointing (peft.gradient_checkpointing=false): "
+                f"{e['uncheckpointed']['step_s']:.2f} s/step, peak "
+                f"{e['uncheckpointed']['peak_gib']:.1f} GiB"
             )
         paper = plan_costs.paper_comparison(job, e)
         if paper:

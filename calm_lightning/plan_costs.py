@@ -1,10 +1,14 @@
 """One planned job's GPU time and peak memory: how many passes of which kind its method makes
 (read from the method code, docs/calm.md "Cost accounting"), priced by `cost_model`.
 
-Every training batch is priced at `setting.max_length` tokens per row: a batch is padded to its
-longest row, and among 16 Alpaca rows the longest is usually near the cap, so this is an upper
-bound that is close for training. Evaluation prompts are priced at `setting.eval_max_length`,
-a looser upper bound (MCQA prompts are short), on a part of the job that is small anyway.
+A training batch is padded to its longest row, so a step's compute follows the expected
+longest of `batch` rows. For Alpaca (the paper's OOD and open-QA training data) that is
+measured (EXPECTED_WIDTH: real Alpaca rows rendered by the training collator, SmolLM2
+tokenizer; benchmarks/padded_width.py, results/padded_width_alpaca.json): 240 tokens for 16
+rows, not the 512 of `setting.max_length`. Other training data are priced at `max_length`, an
+upper bound, and so are evaluation prompts at `setting.eval_max_length` (MCQA prompts are
+short; a part of the job that is small anyway). Peak memory is priced at `max_length`: over a
+whole epoch some batch reaches the cap (1 of the 2,000 measured rows does).
 """
 
 from __future__ import annotations
@@ -16,6 +20,18 @@ from calm_lightning import cost_model as cm
 CALM_METHODS = {"calm", "calm_stop"}
 SINGLE_LEVEL = {"reg", "ls", "cft"}
 FORWARD_FIRST = {"ls", "cft"}  # a forward over the training split before training (targets)
+# Mean longest row of a random batch of Alpaca rows (batch size -> tokens, max_length 512),
+# measured by benchmarks/padded_width.py on 2,000 real rows (results/padded_width_alpaca.json).
+EXPECTED_WIDTH = {"AlpacaSource": {4: 169.7, 8: 203.9, 16: 239.7, 32: 277.4}}
+
+
+def batch_width(job, batch: int) -> tuple[float, str]:
+    """(tokens per row a training batch of `batch` rows is padded to, how it is known)."""
+    table = EXPECTED_WIDTH.get(job.train_source or "")
+    if not table:
+        return float(job.max_length), "max_length (upper bound)"
+    nearest = min(table, key=lambda size: abs(size - batch))
+    return min(table[nearest], float(job.max_length)), "measured Alpaca width"
 
 
 def step_passes(job) -> tuple[float, float, float]:
@@ -40,11 +56,13 @@ def step_passes(job) -> tuple[float, float, float]:
 def _train(job, shape, device, share) -> tuple[float, float]:
     """(seconds of one training step, its FLOPs)."""
     lora = cm.lora_parameters(shape, job.lora_r)
-    seq = job.max_length
-    pass_flops = cm.training_pass_flops(shape, seq, lora, job.checkpointing)
+    seq, held_seq = batch_width(job, job.batch)[0], batch_width(job, job.heldout_batch)[0]
     train, heldout, forwards = step_passes(job)
-    tokens, held_tokens = job.batch * seq, job.heldout_batch * seq
-    flops = pass_flops * (train * tokens + heldout * held_tokens)
+    tokens, held_tokens = job.batch * seq, job.heldout_batch * held_seq
+    flops = train * tokens * cm.training_pass_flops(shape, seq, lora, job.checkpointing)
+    flops += (
+        heldout * held_tokens * cm.training_pass_flops(shape, held_seq, lora, job.checkpointing)
+    )
     flops += forwards * tokens * cm.forward_flops(shape, seq, lora)
     return cm.seconds(flops, device, share), flops
 
@@ -95,11 +113,20 @@ def estimate(job, device_name: str, measured: dict | None = None) -> dict:
     out["peak_gib"] = cm.gib(_peak(job, shape, job.checkpointing))
     if job.train_steps and out["peak_gib"] > device.memory_gib and not job.checkpointing:
         out["checkpointed_peak_gib"] = cm.gib(_peak(job, shape, True))
+    elif job.train_steps and job.checkpointing:  # what turning it off would buy, if it fits
+        peak = cm.gib(_peak(job, shape, False))
+        if peak <= device.memory_gib:
+            unchecked = SimpleNamespace(**{**vars(job), "checkpointing": False})
+            out["uncheckpointed"] = {
+                "peak_gib": peak,
+                "step_s": _train(unchecked, shape, device, share)[0],
+            }
     out["fits"] = out["peak_gib"] <= device.memory_gib
     source = "measured" if "train" in measured else "assumed"
     out["basis"] = (
         f"{source} utilisation {share:.0%} of {device.peak_tflops:g} TFLOP/s, "
-        f"{job.batch} x {job.max_length} tokens per batch (upper bound)"
+        f"{job.batch} x {batch_width(job, job.batch)[0]:.0f} tokens per batch "
+        f"({batch_width(job, job.batch)[1]})"
     )
     return out
 

@@ -6,13 +6,15 @@ import itertools
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
 
-from calm_lightning import cost_model, plan
+from calm_lightning import cost_model, plan, plan_costs
 from calm_lightning.errors import ConfigError
 from calm_lightning.models import shapes
+from calm_lightning.models.lora import checkpointing_enabled
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "multirun_sweeps" / "table1_mcqa_ood.sh"
@@ -81,12 +83,15 @@ def test_a_reg_job_costs_its_steps_times_the_flops_of_one_pass():
     assert job["steps"] == steps  # 48,002 rows / 16 x 30 epochs (the paper's OOD reg)
     # By hand, OLMo-2-7B (4096 wide, 32 layers, MLP 11008, vocabulary 100,352): 7,298,617,344
     # parameters less the 100,352 x 4096 input embedding; LoRA r = 64 on q, k, v, o (4096 ->
-    # 4096), gate, up (4096 -> 11008) and down; a frozen-base LoRA pass = 4 N + 6 P per token,
-    # attention 3 x 2 x 32 x 512 x 4096; nf4 at 35 % of 312 TFLOP/s.
+    # 4096), gate, up (4096 -> 11008) and down. 7.3B parameters turn `auto` checkpointing on,
+    # so a frozen-base LoRA pass is two forwards (2 N + 2 P + attention each) and a backward
+    # (2 N + 4 P + twice the attention): 6 N + 8 P + 4 x 2 x 32 x w x 4096 per token, at the
+    # measured mean width w of 16 Alpaca rows (239.7 tokens); nf4 at 35 % of 312 TFLOP/s.
     n = 7_298_617_344 - 100_352 * 4096
     lora = 32 * 64 * (4 * (4096 + 4096) + 2 * (4096 + 11008) + (11008 + 4096))
-    per_token = 4 * n + 6 * lora + 3 * 2 * 32 * 512 * 4096
-    seconds = 16 * 512 * per_token / (312e12 * 0.35)
+    width = 239.7
+    per_token = 6 * n + 8 * lora + 4 * 2 * 32 * width * 4096
+    seconds = 16 * width * per_token / (312e12 * 0.35)
     assert job["step_s"] == pytest.approx(seconds, rel=1e-9)
     assert 0.3 < job["step_s"] < 3  # the issue's physics: 0.4-1.3 s at 256 tokens
 
@@ -107,18 +112,49 @@ def test_table1_for_olmo2_on_an_a100_has_the_issues_orders_of_magnitude(olmo2_pl
     assert olmo2_plan["slurm_timeout_min"] == math.ceil(longest * 60 * 1.25) > 720
 
 
-def test_calm_peak_is_over_an_a100_without_checkpointing_and_fits_with_it():
-    """At 16 x 512 tokens a 7B LoRA step without gradient checkpointing (the shipped default)
-    keeps ~70 GB of activations; with it, CALM's peak is the paper's order (38 GB)."""
+def test_calm_peak_fits_an_a100_with_auto_checkpointing_and_not_without():
+    """At 16 x 512 tokens (the widest batch of an epoch) a 7B LoRA step without gradient
+    checkpointing keeps ~70 GB of activations; `auto` turns it on from 3B parameters, and
+    CALM's peak is then of the paper's order (38 GB)."""
     overrides = ["+sweep=calm_ood", "model=olmo2", "setting=ood"]
-    (first, *_) = plan.plan(overrides[0], overrides[1:], "a100_40g")
-    assert first.method == "calm" and not first.estimate["fits"]
-    assert 10 < first.estimate["checkpointed_peak_gib"] < 60
-    (ckpt, *_) = plan.plan(overrides[0], [*overrides[1:], "peft.gradient_checkpointing=true"],
-                           "a100_40g")  # fmt: skip
-    assert ckpt.estimate["fits"] and 10 < ckpt.estimate["peak_gib"] < 60
+    (auto, *_) = plan.plan(overrides[0], overrides[1:], "a100_40g")
+    assert auto.method == "calm" and auto.checkpointing
+    assert auto.estimate["fits"] and 10 < auto.estimate["peak_gib"] < 60
+    (off, *_) = plan.plan(overrides[0], [*overrides[1:], "peft.gradient_checkpointing=false"],
+                          "a100_40g")  # fmt: skip
+    assert not off.checkpointing and not off.estimate["fits"]
+    assert off.estimate["checkpointed_peak_gib"] == pytest.approx(auto.estimate["peak_gib"])
     # the recomputed forward: 6 N instead of 4 N per token, about 1.5x the time
-    assert 1.4 < ckpt.estimate["step_s"] / first.estimate["step_s"] < 1.6
+    assert 1.4 < auto.estimate["step_s"] / off.estimate["step_s"] < 1.6
+    # an H200 holds the unchecked peak, so the plan says what turning it off buys
+    (h200, *_) = plan.plan(overrides[0], overrides[1:], "h200")
+    unchecked = h200.estimate["uncheckpointed"]
+    assert unchecked["peak_gib"] == pytest.approx(off.estimate["peak_gib"])
+    assert unchecked["peak_gib"] < 141
+    assert 1.4 < h200.estimate["step_s"] / unchecked["step_s"] < 1.6
+    assert "uncheckpointed" not in auto.estimate  # 93 GiB does not fit an A100 40G
+
+
+def test_auto_checkpointing_follows_the_parameter_count():
+    assert not checkpointing_enabled("auto", 2_999_999_999)
+    assert checkpointing_enabled("auto", 3_000_000_000)
+    assert checkpointing_enabled(True, 10) and not checkpointing_enabled(False, 10**10)
+    (small, *_) = plan.plan("+sweep=reg", ["model=smollm2", "setting=ood"], "a100_40g")
+    assert not small.checkpointing  # 135M parameters
+
+
+def test_training_batches_are_priced_at_their_padded_width():
+    """Alpaca batches at the measured mean longest row (results/padded_width_alpaca.json);
+    other training data at max_length, and never above it."""
+    measured = json.loads((ROOT / "results" / "padded_width_alpaca.json").read_text())
+    for size, entry in measured["padded_width"].items():
+        assert plan_costs.EXPECTED_WIDTH["AlpacaSource"][int(size)] == entry["mean"]
+    job = SimpleNamespace(train_source="AlpacaSource", max_length=512)
+    assert plan_costs.batch_width(job, 16)[0] == measured["padded_width"]["16"]["mean"]
+    assert plan_costs.batch_width(SimpleNamespace(train_source="AlpacaSource", max_length=128),
+                                  16)[0] == 128  # fmt: skip
+    assert plan_costs.batch_width(SimpleNamespace(train_source="McqaSource", max_length=512),
+                                  16) == (512.0, "max_length (upper bound)")  # fmt: skip
 
 
 def test_the_command_prints_one_estimate_per_job_and_a_total(capsys):
