@@ -1,16 +1,17 @@
 """What a sweep will launch, and what it will cost, before it runs.
 
     python -m calm_lightning.plan multirun_sweeps/table1_mcqa_ood.sh model=olmo2
-    python -m calm_lightning.plan +sweep=calm_ood model=olmo2 --costs costs.json
+    python -m calm_lightning.plan +sweep=calm_ood model=olmo2 --device h200 --json plan.json
 
 A sweep script is run for real with a recording stand-in for Python (`--python`), so the jobs
 listed are the `python -m calm_lightning.run` calls the script makes, with its loops and
 helpers; each call is expanded into jobs by Hydra's own basic sweeper (the grid of its
 `+sweep=` file plus the command line's comma lists), and each job's config is composed like
-`calm_lightning.run` composes it. With `--costs FILE` (written by `benchmarks/calm_step.py
---json`) every job gets a wall-time and peak-memory estimate, each number labelled by where
-it comes from: measured, scaled from a measurement, composed from measurements, or the
-paper's (CALM paper, Table 10: a CALM epoch costs ~3.4 Regularization epochs).
+`calm_lightning.run` composes it. Every job gets GPU-hours and a peak memory on `--device` from
+the cost model (cost_model.py: FLOPs from the model's shape and the passes its method makes,
+over the device's peak x a stated utilisation; plan_costs.py: the passes per method). A cost
+file measured on a GPU (`benchmarks/calm_step.py --json`, `--costs FILE`) replaces the stated
+utilisation with the measured one; one whose phases are out of order is refused.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from calm_lightning import cost_model, plan_costs
 from calm_lightning.errors import ConfigError
+from calm_lightning.models.lora import checkpointing_enabled
+from calm_lightning.models.shapes import Shape, parameter_count
 
-PAPER_CALM_VS_REG = 3.4  # CALM paper, Table 10: CALM epoch / Regularization epoch
-# Methods whose training step is one pass of a single-level loss, like Regularization's.
-SINGLE_LEVEL = {"reg", "ls", "cft"}
-CALM_METHODS = {"calm", "calm_stop"}  # the bilevel presets (one LightningModule, calm.py)
+# Head-room on the longest job's estimate for a SLURM time limit: the estimate is an upper
+# bound on tokens but assumes a utilisation, and a job killed at its limit loses its work.
+SLURM_MARGIN = 0.25
+CALM_METHODS = plan_costs.CALM_METHODS  # the bilevel presets (one LightningModule, calm.py)
 _RECORDER = """#!{python}
 import json, os, sys
 with open(os.environ["CALM_PLAN_LOG"], "a") as log:
@@ -59,6 +63,16 @@ class Job:
     surrogate_steps: int | None = None
     lower_steps: int = 1
     compare_with_base: bool = False
+    heldout_batch: int = 1
+    eval_max_length: int = 1
+    shape: Shape | None = None  # the architecture the model runs (cost_model.model_shape)
+    quantized: bool = True  # nf4 QLoRA (quantization auto on a GPU) or bf16
+    lora_r: int = 0
+    checkpointing: bool = False
+    sampling: tuple[int, int] | None = None  # open QA: (samples, max new tokens) per question
+    train_source: str | None = None  # the training data's source class (plan_costs widths)
+    reference_shape: Shape | None = None  # post-hoc methods' pre-trained reference model
+    reference_quantized: bool = False
     estimate: dict = field(default_factory=dict)
 
 
@@ -134,12 +148,24 @@ def _compose(overrides: list[str], hydra: bool = False):
         return compose("run", overrides=overrides, return_hydra_config=hydra)
 
 
+# Rows of hub datasets whose training split is "all the rest" (train_size: null), from their
+# dataset cards: PopQA is 14,267 questions in one split.
+HUB_ROWS = {"akariasai/PopQA": 14_267}
+
+
 def split_rows(node) -> int | None:
     """How many rows a data node's split has, from its config (None: only the files know)."""
+    if "fit_fraction" in node and "source" in node:  # a fit / test carving of a pool
+        pool = split_rows(node.source)
+        fit = round(float(node.fit_fraction) * pool) if pool else None
+        return None if pool is None else (fit if node.get("part") == "fit" else pool - fit)
     split = node.get("split")
     size = None
     if f"{split}_size" in node:  # alpaca-style: train_size / heldout_size / test_size
         size = node.get(f"{split}_size")
+        if size is None and split == "train" and node.get("hub_id") in HUB_ROWS:
+            taken = [node.get(k) or 0 for k in ("eval_size", "heldout_size", "test_size")]
+            size = HUB_ROWS[node.hub_id] - sum(taken)
     elif "sizes" in node and split in node.sizes:  # mcqa-style blocks
         size = node.sizes[split]
     limit = node.get("limit")
@@ -165,6 +191,7 @@ def describe(overrides: list[str]) -> Job:
         max_length=int(setting.get("max_length", 1)),
         compare_with_base=bool(select(cfg, "evaluation.compare_with_base", default=False)),
     )
+    _describe_costs(job, cfg)
     epochs = trainer.get("max_epochs")
     if epochs and job.train_rows and job.method not in ("base", "ts"):
         per_epoch = math.ceil(job.train_rows / job.batch)
@@ -185,91 +212,48 @@ def describe(overrides: list[str]) -> Job:
     return job
 
 
+def _describe_costs(job: Job, cfg) -> None:
+    """What the cost model needs from a composed config."""
+    select, setting = OmegaConf.select, cfg.setting
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    job.shape = cost_model.model_shape(model)
+    job.quantized = str(model.get("quantization", "auto")) in ("auto", "nf4")  # auto: nf4 on GPU
+    job.lora_r = int(select(cfg, "peft.r", default=0) or 0)
+    job.checkpointing = checkpointing_enabled(
+        select(cfg, "peft.gradient_checkpointing", default=False),
+        parameter_count(job.shape) if job.shape is not None else 0,
+    )
+    train_target = str(select(cfg, "setting.train._target_", default="") or "")
+    job.train_source = train_target.rsplit(".", 1)[-1] or None
+    job.heldout_batch = int(setting.get("heldout_batch_size") or job.batch)
+    job.eval_max_length = int(setting.get("eval_max_length", job.max_length))
+    test_target = str(select(cfg, "setting.test._target_", default="") or "")
+    if test_target.endswith("OpenQASource"):
+        openqa = cfg.evaluation.openqa
+        job.sampling = (int(openqa.n_samples), int(openqa.max_new_tokens))
+    # Only methods whose module takes the reference (daca, dual_align) load the PLM.
+    reference = select(cfg, "method.module.reference_model", default=None)
+    if reference is not None and str(reference.get("name", "none")) != "none":
+        ref = OmegaConf.to_container(reference, resolve=True)
+        job.reference_shape = cost_model.model_shape(ref)
+        job.reference_quantized = str(ref.get("quantization", "none")) == "nf4"
+
+
 def _model_label(name, shape) -> str:
     return f"{name} (shape {shape})" if shape else str(name)
 
 
-def _step(costs: dict, name: str) -> dict | None:
-    return costs.get("steps", {}).get(name)
-
-
-def train_step_cost(job: Job, costs: dict) -> tuple[float, float, str] | None:
-    """(seconds, peak MiB, basis) of one training step at the cost file's batch shape."""
-    if job.method in SINGLE_LEVEL and _step(costs, "reg"):
-        basis = "measured" if job.method == "reg" else "measured (reg step; same one pass)"
-        return _step(costs, "reg")["step_s"], _step(costs, "reg")["peak_mb"], basis
-    if job.method == "iterate" and _step(costs, "plain") and _step(costs, "forward"):
-        plain, forward = _step(costs, "plain"), _step(costs, "forward")
-        # A lower step is a plain LoRA step; every lower_steps one upper step adds a forward
-        # on a held-out batch (its backward runs through the head only).
-        seconds = plain["step_s"] + forward["step_s"] / job.lower_steps
-        return seconds, plain["peak_mb"], "composed (plain step + forward / lower_steps)"
-    if job.method in CALM_METHODS:
-        return _calm_step_cost(job, costs)
-    return None
-
-
-def _calm_step_cost(job: Job, costs: dict):
-    if job.schedule == "amortized":
-        measured = _step(costs, "amortized")
-        if measured and measured.get("surrogate_steps") == job.surrogate_steps:
-            return measured["step_s"], measured["peak_mb"], "measured"
-    else:
-        per_step = [s for s in (_step(costs, "calm"), _step(costs, "per_step")) if s]
-        exact = [s for s in per_step if s.get("inner_steps") == job.inner_steps]
-        if exact:
-            return exact[0]["step_s"], exact[0]["peak_mb"], "measured"
-        points = {s["inner_steps"]: s for s in per_step}
-        if len(points) >= 2:  # an outer step is linear in T: fit the two measured T
-            (t1, s1), (t2, s2) = sorted(points.items())[:2]
-            slope = (s2["step_s"] - s1["step_s"]) / (t2 - t1)
-            seconds = s1["step_s"] + slope * (job.inner_steps - t1)
-            peak = max(s1["peak_mb"], s2["peak_mb"])  # neither schedule's peak grows with T
-            return seconds, peak, f"interpolated in T from measured T={t1},{t2}"
-    reg = _step(costs, "reg")
-    if reg:
-        return PAPER_CALM_VS_REG * reg["step_s"], None, "paper (Table 10: 3.4 x reg step)"
-    return None
-
-
-def estimate(job: Job, costs: dict) -> dict:
-    """Wall time and peak memory of one job from measured step costs, labelled."""
-    measured_tokens = costs["batch"] * costs["seq"]
-    scale = job.batch * job.max_length / measured_tokens  # time and activations ~ tokens
-    forward = _step(costs, "forward")
-    out = {"train_s": 0.0, "eval_s": None, "peak_mb": None, "basis": []}
-    if job.train_steps:
-        step = train_step_cost(job, costs)
-        if step is None:
-            out["basis"].append(f"no cost for {job.method} training in the file")
-            out["train_s"] = None
-        else:
-            seconds, peak, basis = step
-            out["train_s"] = job.train_steps * seconds * scale
-            out["basis"].append(f"train: {basis}, scaled x{scale:.3g} by tokens per batch")
-            if peak is not None:
-                loaded = _step(costs, "plain")["loaded_mb"]
-                out["peak_mb"] = loaded + (peak - loaded) * scale
-            if job.method in CALM_METHODS:
-                reg = _step(costs, "reg")
-                if reg:
-                    out["paper_train_s"] = job.train_steps * PAPER_CALM_VS_REG * reg["step_s"]
-                    out["paper_train_s"] *= scale
-    if forward:
-        eval_scale = job.eval_batch / costs["batch"]
-        rows = (job.eval_rows or 0) * (2 if job.compare_with_base and job.train_steps else 1)
-        if job.method == "ts":
-            rows += job.heldout_rows or 0  # the temperature is fitted on held-out forwards
-        out["eval_s"] = math.ceil(rows / job.eval_batch) * forward["step_s"] * eval_scale
-        out["basis"].append(
-            f"eval: {rows} rows x measured forward (rows as long as {costs['seq']} tokens)"
-        )
-        if out["peak_mb"] is None:
-            loaded = forward["loaded_mb"]
-            out["peak_mb"] = loaded + (forward["peak_mb"] - loaded) * eval_scale
-    if out["train_s"] is not None and out["eval_s"] is not None:
-        out["total_s"] = out["train_s"] + out["eval_s"]
-    return out
+def plan(target: str, extra: list[str], device: str | None = None,
+         costs: dict | None = None) -> list[Job]:  # fmt: skip
+    """Every job `target` launches (in launch order), each with its estimate on `device`
+    (default: the local GPU, else the A100 40G); `costs` (a GPU cost file) replaces the
+    assumed utilisation with the measured one."""
+    device = device or cost_model.default_device()
+    measured = cost_model.calibrate(costs) if costs else None
+    jobs = [describe(job) for call in sweep_calls(target, extra) for job in expand(call)]
+    for job in jobs:
+        job.estimate = plan_costs.estimate(job, device, measured)
+    return jobs
 
 
 def _hours(seconds) -> str:
@@ -278,72 +262,136 @@ def _hours(seconds) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 360 else f"{seconds:.0f} s"
 
 
-def plan(target: str, extra: list[str], costs: dict | None = None) -> list[Job]:
-    """Every job `target` launches (in launch order), with estimates when `costs` is given."""
-    jobs = [describe(job) for call in sweep_calls(target, extra) for job in expand(call)]
-    if costs:
-        for job in jobs:
-            job.estimate = estimate(job, costs)
-    return jobs
-
-
-def print_plan(jobs: list[Job], costs: dict | None) -> None:
+def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None) -> None:
     common = set.intersection(*(set(j.overrides) for j in jobs)) if jobs else set()
+    spec = cost_model.get_device(device)
     print(f"{len(jobs)} jobs; every job has: {' '.join(sorted(common))}")
-    if costs:
-        model = costs.get("model", {})
+    print(
+        f"device: {device} ({spec.label}: {spec.peak_tflops:g} TFLOP/s bf16 dense, "
+        f"{spec.memory_gib:g} GiB); cost model: calm_lightning/cost_model.py"
+    )
+    if measured:
         print(
-            f"costs: {costs.get('benchmark')} on {costs.get('device')}, model "
-            f"{_model_label(model.get('name'), model.get('shape'))} "
-            f"({costs.get('shape_parameters') or '?'} parameters), "
-            f"batch {costs['batch']} x {costs['seq']} tokens, {costs.get('date')}"
-        )
-        measured_on = _model_label(model.get("name"), model.get("shape"))
-        measured_for = {j.model for j in jobs} - {measured_on}
-        if measured_for:
-            print(
-                f"note: the costs were measured on {measured_on}, the jobs run "
-                f"{', '.join(sorted(measured_for))}: measure at the jobs' shape "
-                "(model=random model.shape=...) for their numbers"
-            )
+            f"utilisation measured on {measured['file_device']}: training "
+            f"{measured['train']:.0%}" + (f", forward {measured['eval']:.0%}" if "eval" in measured
+                                          else "")
+        )  # fmt: skip
+        for line in plan_costs.calm_ratios(costs or {}):
+            print(f"  {line}")
     print()
     for index, job in enumerate(jobs):
         own = " ".join(o for o in job.overrides if o not in common)
-        line = f"#{index:<3d} {job.method:8s} steps {job.train_steps:6d}  {own}"
-        if costs:
-            e = job.estimate
-            peak = f"{e['peak_mb'] / 1024:.1f} GiB" if e.get("peak_mb") else "?"
-            basis = "; ".join(e["basis"])
-            line += f"\n      time {_hours(e.get('total_s'))}  peak {peak}  ({basis})"
-            if "paper_train_s" in e:
-                line += f"\n      paper's ratio instead: train {_hours(e['paper_train_s'])}"
-        print(line)
-    if costs:
-        totals = [j.estimate.get("total_s") for j in jobs]
-        known = [t for t in totals if t is not None]
-        peaks = [j.estimate["peak_mb"] for j in jobs if j.estimate.get("peak_mb")]
-        print()
+        print(f"#{index:<3d} {job.method:8s} steps {job.train_steps:6d}  {own}")
+        e = job.estimate
+        if "gpu_hours" not in e:
+            print(f"      no estimate: {e['basis']}")
+            continue
+        step = f"{e['step_s']:.2f} s/step, " if job.train_steps else ""
+        fits = "" if e["fits"] else f"  DOES NOT FIT {spec.memory_gib:g} GiB"
         print(
-            f"total: {_hours(sum(known))} on one device for {len(known)} of {len(jobs)} jobs "
-            f"({sum(known) / 3600:.2f} device-hours); largest peak "
-            f"{max(peaks) / 1024:.1f} GiB"
-            if peaks
-            else "total: no estimate"
+            f"      {step}{e['gpu_hours']:.2f} GPU-h (train {_hours(e['train_s'])}, eval "
+            f"{_hours(e['eval_s'])}), peak {e['peak_gib']:.1f} GiB{fits}"
         )
+        if "checkpointed_peak_gib" in e:
+            print(
+                f"      with peft.gradient_checkpointing=true: peak "
+                f"{e['checkpointed_peak_gib']:.1f} GiB (one more forward per pass)"
+            )
+        if "uncheckpointed" in e:
+            print(
+                f"      fits without checkpointing (peft.gradient_checkpointing=false): "
+                f"{e['uncheckpointed']['step_s']:.2f} s/step, peak "
+                f"{e['uncheckpointed']['peak_gib']:.1f} GiB"
+            )
+        paper = plan_costs.paper_comparison(job, e)
+        if paper:
+            print(f"      {paper}")
+    known = [j.estimate["gpu_hours"] for j in jobs if "gpu_hours" in j.estimate]
+    print()
+    if known:
+        peak = max(j.estimate["peak_gib"] for j in jobs if "peak_gib" in j.estimate)
+        print(
+            f"total: {sum(known):.1f} GPU-hours on {device} for {len(known)} of {len(jobs)} "
+            f"jobs; largest peak {peak:.1f} GiB"
+        )
+        print(
+            f"SLURM (hydra/launcher=slurm): hydra.launcher.timeout_min="
+            f"{slurm_timeout_min(max(known))} covers the longest job with a "
+            f"{SLURM_MARGIN:.0%} margin"
+        )
+    else:
+        print("total: no estimate")
+
+
+def plan_record(jobs: list[Job], device: str, measured: dict | None) -> dict:
+    """The plan as json: one record per job, the device and the totals."""
+    records = [
+        {
+            "method": j.method,
+            "model": j.model,
+            "overrides": j.overrides,
+            "steps": j.train_steps,
+            **{
+                k: j.estimate.get(k)
+                for k in (
+                    "step_s",
+                    "train_s",
+                    "eval_s",
+                    "gpu_hours",
+                    "peak_gib",
+                    "fits",
+                    "utilisation",
+                    "basis",
+                )
+            },
+        }  # fmt: skip
+        for j in jobs
+    ]
+    hours = [r["gpu_hours"] for r in records if r["gpu_hours"] is not None]
+    peaks = [r["peak_gib"] for r in records if r["peak_gib"] is not None]
+    return {
+        "device": device,
+        "device_spec": vars(cost_model.get_device(device)),
+        "utilisation": measured or {"assumed": cost_model.UTILISATION},
+        "jobs": records,
+        "total_gpu_hours": sum(hours),
+        "max_peak_gib": max(peaks) if peaks else None,
+        "slurm_timeout_min": slurm_timeout_min(max(hours)) if hours else None,
+    }
+
+
+def slurm_timeout_min(gpu_hours: float) -> int:
+    """A SLURM wall-clock limit for a one-GPU job of `gpu_hours`, with the margin."""
+    return math.ceil(gpu_hours * 60 * (1 + SLURM_MARGIN))
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("target", help="a multirun_sweeps/*.sh script or +sweep=NAME")
     parser.add_argument("overrides", nargs="*", help="model=NAME and other key=value overrides")
-    parser.add_argument("--costs", help="json from benchmarks/calm_step.py --json")
+    parser.add_argument(
+        "--device", choices=sorted(cost_model.DEVICES),
+        help="the GPU to plan for (default: the local GPU, else a100_40g)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--costs", help="json from benchmarks/calm_step.py --json on a GPU: measured utilisation"
+    )
+    parser.add_argument("--json", metavar="FILE", help="also write the plan here")
 
 
 def command(args, parser) -> int:
     """Print the jobs of `args.target` with their estimates."""
     costs = json.loads(Path(args.costs).read_text()) if args.costs else None
-    jobs = plan(args.target, args.overrides, costs)
+    device = args.device or cost_model.default_device()
+    measured = cost_model.calibrate(costs) if costs else None
+    jobs = plan(args.target, args.overrides, device, costs)
     print(f"plan: {args.target} {shlex.join(args.overrides)}")
-    print_plan(jobs, costs)
+    print_plan(jobs, device, measured, costs)
+    if args.json:
+        record = plan_record(jobs, device, measured)
+        record["command"] = shlex.join(["python -m calm_lightning.plan", args.target,
+                                        *args.overrides, "--device", device])  # fmt: skip
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

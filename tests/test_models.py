@@ -170,3 +170,21 @@ def test_logit_scale_refuses_a_model_without_a_final_norm_weight():
         apply_logit_scale(torch.nn.Linear(2, 2), 2.0)
     with pytest.raises(ConfigError, match="> 0"):
         apply_logit_scale(torch.nn.Linear(2, 2), -1.0)
+
+
+@pytest.mark.parametrize(
+    "value, threshold, expected",
+    [("auto", None, False), ("auto", 1, True), (True, None, True), (False, 1, False)],
+)
+def test_gradient_checkpointing_auto_follows_the_loaded_models_size(
+    tiny_loaded, monkeypatch, value, threshold, expected
+):
+    """`auto` checks the loaded model's parameter count against CHECKPOINTING_FROM (3B: the
+    tiny model is far below; a threshold of 1 parameter stands in for a 7B model)."""
+    from calm_lightning.models import lora
+
+    if threshold is not None:
+        monkeypatch.setattr(lora, "CHECKPOINTING_FROM", threshold)
+    model = copy.deepcopy(tiny_loaded.model)
+    wrap_with_lora(model, {"r": 4, "lora_alpha": 8, "gradient_checkpointing": value})
+    assert model.is_gradient_checkpointing is expected

@@ -26,6 +26,10 @@ PUBLISHED_PARAMETERS = {
     "gemma3_1b": 999_885_952,
     "qwen25_1p5b": 1_543_714_304,
     "qwen25_7b": 7_615_616_512,
+    "qwen25_14b": 14_770_033_664,  # the model card's 14.7B (13.1B without embeddings)
+    # Gemma 3 report, Table 1: 25,600M non-embedding + 1,416M embedding parameters (rounded,
+    # the vision encoder apart); the count here is 25,599.7M + 262,208 x 5,376 = 1,409.6M.
+    "gemma3_27b": 27_009_346_304,
     "olmo2_7b": 7_298_617_344,
     "llama2_7b": 6_738_415_616,
     "llama31_8b": 8_030_261_248,

@@ -26,8 +26,23 @@ PEFT_RULES = {
             ListOf(Text(), nonempty=True, meaning="a list of module names"),
         )
     ),
-    "gradient_checkpointing": Flag(),
+    # auto: on for models of CHECKPOINTING_FROM parameters or more (checkpointing_enabled)
+    "gradient_checkpointing": Either((Flag(), OneOf(("auto",)))),
 }
+# `peft.gradient_checkpointing=auto` turns checkpointing on from this many parameters. Without it
+# a 7B model's activations at 16 x 512 tokens alone exceed an A100 40G (the plan: CALM peaks at
+# ~93 GiB without, ~25 GiB with; docs/hardware.md), the paper's GPU; below 3B they fit easily and
+# the recomputed forward (~1.5x per pass) would only cost time. On an 80 GB or larger GPU set
+# `peft.gradient_checkpointing=false` where `calm-lightning plan` says the job fits.
+CHECKPOINTING_FROM = 3_000_000_000
+
+
+def checkpointing_enabled(value, parameters: int) -> bool:
+    """Whether `peft.gradient_checkpointing` (true, false or auto) is on for a model of
+    `parameters` parameters (the loaded model's count; the plan uses its shape's)."""
+    if str(value).lower() == "auto":
+        return parameters >= CHECKPOINTING_FROM
+    return bool(value)
 
 
 def linear_layer_names(model: nn.Module) -> list[str]:
@@ -54,7 +69,9 @@ def wrap_with_lora(model: nn.Module, peft_cfg: DictConfig | dict, quantized: boo
     targets = cfg.pop("target_modules", "all-linear")
     if targets in (None, "all-linear"):
         targets = linear_layer_names(model)
-    gradient_checkpointing = bool(cfg.pop("gradient_checkpointing", False))
+    gradient_checkpointing = checkpointing_enabled(
+        cfg.pop("gradient_checkpointing", "auto"), model.num_parameters()
+    )
     if quantized:
         from peft import prepare_model_for_kbit_training
 
@@ -62,8 +79,9 @@ def wrap_with_lora(model: nn.Module, peft_cfg: DictConfig | dict, quantized: boo
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=gradient_checkpointing
         )
-    elif gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    elif gradient_checkpointing:  # transformers 5 renamed it; the old name warns
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
         # Frozen embeddings give checkpointed blocks inputs without grad; LoRA needs them.
         model.enable_input_require_grads()
     config = LoraConfig(task_type="CAUSAL_LM", target_modules=targets, **cfg)

@@ -95,6 +95,21 @@ SHAPES: dict[str, Shape] = {
         "qwen2", "Qwen/Qwen2.5-7B-Instruct", 3584, 18944, 28, 28, 4, 152064, 32768, 1000000.0,
         1e-6, False,
     ),
+    "qwen25_14b": Shape(
+        "qwen2", "Qwen/Qwen2.5-14B-Instruct", 5120, 13824, 48, 40, 8, 152064, 32768, 1000000.0,
+        1e-6, False,
+    ),
+    # The language model of the multimodal checkpoint (its text_config); the 417M SigLIP
+    # encoder is left out. Its linear RoPE scaling (factor 8) changes no cost and is omitted.
+    "gemma3_27b": Shape(
+        "gemma3_text", "google/gemma-3-27b-it (text_config)", 5376, 21504, 62, 32, 16, 262208,
+        131072, 1000000.0, 1e-6, True, head_dim=128,
+        extra={
+            "sliding_window": 1024,
+            "query_pre_attn_scalar": 168,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
     "olmo2_7b": Shape(
         "olmo2", "allenai/OLMo-2-1124-7B-DPO", 4096, 11008, 32, 32, 32, 100352, 4096, 500000.0,
         1e-6, False,

@@ -1,0 +1,309 @@
+"""What one job costs on a named GPU, from the model's shape and the work its method does.
+
+Time is FLOPs / (the device's dense bf16 peak x a utilisation); memory is the sum of what sits
+on the device at the busiest moment of a training step. Every constant below is an assumption
+stated with its reason; a cost file measured on a GPU (`benchmarks/calm_step.py --json`)
+replaces the assumed utilisation with the measured one (`calibrate`).
+
+FLOPs per token. A matmul with a weight of n entries costs 2n per token forward. LoRA trains
+adapters only, so the frozen base needs no weight gradient: its backward is the activation
+gradient alone, 2n per token, and a training pass through the base is 4 N (not the 6 N of full
+fine-tuning). The adapters (P entries) cost 2P forward and 4P backward (activation and weight
+gradients). Attention scores add 2 x layers x seq x query width per token forward (causal: half
+of the square), twice that backward. Gradient checkpointing recomputes the forward once more.
+N counts the output head (2 x hidden x vocabulary per token, large for 100k-262k vocabularies)
+but not the input embedding, which is a lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from calm_lightning.errors import ConfigError
+from calm_lightning.models.shapes import SHAPES, Shape, parameter_count
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU: dense bf16 peak (no sparsity), memory and memory bandwidth, from its datasheet."""
+
+    label: str
+    peak_tflops: float
+    memory_gib: float
+    bandwidth_tbs: float
+
+
+DEVICES = {
+    "a100_40g": Device("NVIDIA A100 40GB (SXM)", 312.0, 40.0, 1.555),
+    "a100_80g": Device("NVIDIA A100 80GB (SXM)", 312.0, 80.0, 2.039),
+    "h100": Device("NVIDIA H100 80GB (SXM)", 989.0, 80.0, 3.35),
+    "h200": Device("NVIDIA H200 141GB (SXM)", 989.0, 141.0, 4.8),
+}
+DEFAULT_DEVICE = "a100_40g"  # the paper's GPU (Table 10), when no GPU is visible here
+
+# Share of the bf16 peak a step reaches end to end. nf4 QLoRA: bitsandbytes dequantises every
+# weight matrix to bf16 before each matmul (forward and backward), and the step also runs the
+# norms, RoPE, dropout and an fp32 loss over the vocabulary in unfused eager kernels; published
+# HF + bitsandbytes QLoRA runs of 7B models sit around a third of peak. bf16 LoRA skips the
+# dequantisation. Assumptions, not measurements: a GPU cost file replaces them.
+UTILISATION = {"nf4": 0.35, "bf16": 0.45}
+# Sampling decodes one token per step: it reads every weight once per step, so it is bound by
+# memory bandwidth, of which eager HF generation reaches about half.
+DECODE_BANDWIDTH_SHARE = 0.5
+
+# Bytes per parameter. nf4 with double quantisation: 4 bits plus an 8-bit absmax per 64 weights
+# plus an fp32 constant per 256 absmax. peft's prepare_model_for_kbit_training casts what is not
+# quantised (embeddings, output head, norms) to fp32. LoRA parameters are fp32 with an fp32
+# gradient and AdamW's two fp32 moments: 16 bytes each.
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+BF16_BYTES = 2
+FP32_BYTES = 4
+TRAINABLE_BYTES = 16
+# CALM's surrogate: a copy of the adapters with its own gradient and two Adam moments
+# (docs/calm.md, cost accounting): another 16 bytes per adapter parameter.
+SURROGATE_BYTES = 16
+# The loss over the vocabulary holds fp32 logits, their log-softmax (kept for the backward) and
+# the gradient of the logits: 12 bytes per token and vocabulary entry.
+LOGIT_BYTES = 12
+CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspace and allocator slack
+
+# The Hugging Face model each configured model (conf/model, conf/reference_model) runs: its
+# shape in models/shapes.py. Tulu 3 8B fine-tunes Llama-3.1-8B (8 added vocabulary rows: no
+# difference at this precision); the base (pre-trained) references share their chat models'.
+MODEL_SHAPES = {
+    "olmo2": "olmo2_7b",
+    "vicuna": "llama2_7b",
+    "tulu": "llama31_8b",
+    "mistral": "mistral_7b",
+    "smollm2": "smollm2_135m",
+    "llama31_8b_instruct": "llama31_8b",
+    "llama31_8b": "llama31_8b",
+    "qwen25_1p5b_instruct": "qwen25_1p5b",
+    "qwen25_1p5b": "qwen25_1p5b",
+    "qwen25_7b_instruct": "qwen25_7b",
+    "qwen25_7b": "qwen25_7b",
+    "qwen25_14b_instruct": "qwen25_14b",
+    "qwen25_14b": "qwen25_14b",
+    "gemma3_1b_it": "gemma3_1b",
+    "gemma3_1b": "gemma3_1b",
+    "gemma3_27b_it": "gemma3_27b",
+    "gemma3_27b": "gemma3_27b",
+}
+# model=tiny's dimensions when its config leaves them out (models/loading.py's defaults).
+TINY_DEFAULTS = {
+    "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
+    "num_kv_heads": 2,
+}  # fmt: skip
+TINY_VOCABULARY = 49152  # model=tiny / tiny_plm: the embedded SmolLM2 tokenizer's vocabulary
+
+# CALM paper, Table 10: one 7-8B model on one A100 40G, a complete run at 5 epochs.
+PAPER_TABLE10 = {
+    "reg": ("~35 min", 35 * 60, 20),
+    "ls": ("~10 min", 10 * 60, 20),
+    "iterate": ("~5 min", 5 * 60, 20),
+    "calm": ("~2 h", 2 * 3600, 38),
+    "ts": ("<1 min", 60, 15),
+}
+
+
+def default_device() -> str:
+    """The local GPU's entry when torch sees one we know, else the paper's A100 40G."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+            return _known_gpu(torch.cuda.get_device_name(0).lower(), memory) or DEFAULT_DEVICE
+    except Exception:  # noqa: BLE001 (no torch / no driver: plan for the default device)
+        pass
+    return DEFAULT_DEVICE
+
+
+def _known_gpu(name: str, memory_gib: float) -> str | None:
+    """The DEVICES entry of a GPU by its (lower-case) name and memory, None if not listed."""
+    for key in ("h200", "h100"):
+        if key in name:
+            return key
+    if "a100" in name:
+        return "a100_80g" if memory_gib > 60 else "a100_40g"
+    return None
+
+
+def get_device(name: str) -> Device:
+    if name not in DEVICES:
+        raise ConfigError(f"--device {name}: choose one of {', '.join(DEVICES)}")
+    return DEVICES[name]
+
+
+def model_shape(model: dict) -> Shape | None:
+    """The shape a composed `model` (or `reference_model`) node runs, None when unknown."""
+    if model.get("shape"):
+        return SHAPES.get(str(model["shape"]))
+    if model.get("source") == "tiny":
+        tiny = model.get("tiny") or {}
+        dims = [_size(tiny, key, default) for key, default in TINY_DEFAULTS.items()]
+        return Shape("llama", "model=tiny", *dims, TINY_VOCABULARY, 1024, 10000.0, 1e-5, True)
+    name = MODEL_SHAPES.get(str(model.get("name")))
+    return SHAPES[name] if name else None
+
+
+def _size(node: dict, key: str, default: int) -> int:
+    """A tiny model's dimension; an unresolved interpolation (a config read without its
+    parent) counts as the loader's default."""
+    value = node.get(key, default)
+    return int(value) if str(value).isdigit() else default
+
+
+def matmul_parameters(shape: Shape) -> int:
+    """Weights a token multiplies through: everything but the input embedding lookup."""
+    untied = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+    return parameter_count(shape) - untied
+
+
+def lora_parameters(shape: Shape, r: int) -> int:
+    """LoRA parameters on every linear layer but the head (peft's all-linear): r x (in + out)
+    for q, k, v, o, gate, up and down."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    q = shape.num_heads * shape.attention_head_dim
+    kv = shape.num_kv_heads * shape.attention_head_dim
+    return shape.num_layers * r * (7 * h + 2 * q + 2 * kv + 3 * i)
+
+
+def _attention_flops(shape: Shape, seq: int) -> float:
+    return 2 * shape.num_layers * seq * shape.num_heads * shape.attention_head_dim
+
+
+def forward_flops(shape: Shape, seq: int, lora: int = 0) -> float:
+    """FLOPs of one forward, per token, at sequence length `seq`."""
+    return 2 * matmul_parameters(shape) + _attention_flops(shape, seq) + 2 * lora
+
+
+def training_pass_flops(shape: Shape, seq: int, lora: int, checkpointing: bool) -> float:
+    """FLOPs of one LoRA forward + backward, per token (frozen base: 4N, see the module doc)."""
+    backward = 2 * matmul_parameters(shape) + 2 * _attention_flops(shape, seq) + 4 * lora
+    forwards = 2 if checkpointing else 1
+    return forwards * forward_flops(shape, seq, lora) + backward
+
+
+def activation_bytes(shape: Shape, checkpointing: bool) -> float:
+    """Bytes a training pass keeps per token for its backward (bf16 compute).
+
+    Per layer, without checkpointing: the dropped-out input each adapter saves for its weight
+    gradient (peft applies one dropout per adapted module: 5h + q + I entries, bf16, plus a
+    1-byte mask each), what attention saves (q, k, v and its output: 2q + 2kv), the MLP's gate,
+    up and activation outputs (3I) and the down input (I), and two RMSNorms that save an fp32
+    copy of their input and of its normalised value (16h bytes). With checkpointing only each
+    layer's input (2h bytes) is kept, and one layer's set while it is recomputed."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    q = shape.num_heads * shape.attention_head_dim
+    kv = shape.num_kv_heads * shape.attention_head_dim
+    dropped = 5 * h + q + i
+    layer = 2 * (dropped + 2 * q + 2 * kv + 4 * i) + dropped + 16 * h
+    if checkpointing:
+        return shape.num_layers * 2 * h + layer
+    return shape.num_layers * layer
+
+
+def weight_bytes(shape: Shape, quantized: bool) -> float:
+    """The base model's weights on the device: nf4 layers and fp32 embeddings / head, or bf16."""
+    total = parameter_count(shape)
+    if not quantized:
+        return BF16_BYTES * total
+    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    return NF4_BYTES * (total - embeddings) + FP32_BYTES * embeddings
+
+
+def utilisation(quantized: bool, measured: float | None = None) -> float:
+    return measured if measured is not None else UTILISATION["nf4" if quantized else "bf16"]
+
+
+def seconds(flops: float, device: Device, share: float) -> float:
+    return flops / (device.peak_tflops * 1e12 * share)
+
+
+def decode_seconds(shape: Shape, quantized: bool, steps: int, batch: int, device: Device,
+                   share: float) -> float:  # fmt: skip
+    """Sampling `steps` decode steps of `batch` sequences: the slower of reading the weights
+    once per step and the matmuls of `batch` tokens."""
+    read = weight_bytes(shape, quantized) / (device.bandwidth_tbs * 1e12 * DECODE_BANDWIDTH_SHARE)
+    compute = seconds(batch * forward_flops(shape, 0), device, share)
+    return steps * max(read, compute)
+
+
+def gib(n_bytes: float) -> float:
+    return n_bytes / 2**30
+
+
+def peak_bytes(shape: Shape, quantized: bool, tokens: int, lora: int, checkpointing: bool,
+               surrogate: bool) -> float:  # fmt: skip
+    """Peak device memory of a training step over `tokens` tokens (batch x length)."""
+    total = weight_bytes(shape, quantized) + TRAINABLE_BYTES * lora
+    total += SURROGATE_BYTES * lora if surrogate else 0
+    total += tokens * (activation_bytes(shape, checkpointing) + LOGIT_BYTES * shape.vocab_size)
+    return total + CUDA_CONTEXT_GIB * 2**30
+
+
+def inference_peak_bytes(shapes: list[tuple[Shape, bool]], tokens: int) -> float:
+    """Peak of an evaluation batch: the models' weights, one layer's transient tensors (the
+    residual stream, its normed copy, q and the attention output in bf16: 8h bytes per token,
+    and the MLP's intermediate: 2I) and the fp32 logits of the widest vocabulary."""
+    total = sum(weight_bytes(s, q) for s, q in shapes)
+    widest = max((s for s, _ in shapes), key=lambda s: s.hidden_size)
+    total += tokens * (8 * widest.hidden_size + 2 * widest.intermediate_size)
+    total += tokens * FP32_BYTES * max(s.vocab_size for s, _ in shapes)
+    return total + CUDA_CONTEXT_GIB * 2**30
+
+
+def check_order(costs: dict) -> None:
+    """Refuse a cost file whose phases are out of order: reg is plain's pass plus an entropy
+    term, and a CALM outer step does several passes, so plain <= reg <= every CALM step. A file
+    that says otherwise was measured under load (or is broken) and would mislead the plan."""
+    steps = costs.get("steps", {})
+    seconds_of = {name: s["step_s"] for name, s in steps.items() if "step_s" in s}
+    wrong = []
+    if "plain" in seconds_of and "reg" in seconds_of and seconds_of["plain"] > seconds_of["reg"]:
+        wrong.append(
+            f"plain ({seconds_of['plain']:.3g} s) is slower than reg ({seconds_of['reg']:.3g} s)"
+        )
+    for calm in ("calm", "per_step", "amortized"):
+        if calm in seconds_of and "reg" in seconds_of and seconds_of[calm] < seconds_of["reg"]:
+            wrong.append(
+                f"{calm} ({seconds_of[calm]:.3g} s) is faster than reg ({seconds_of['reg']:.3g} s)"
+            )
+    if wrong:
+        raise ConfigError(
+            "the cost file's phases are out of order: " + "; ".join(wrong) + ". A plain LoRA "
+            "step cannot be slower than reg (the same pass plus an entropy term), nor a CALM "
+            "step faster than reg; measure again on an idle device."
+        )
+
+
+def device_of(costs: dict) -> str | None:
+    """The DEVICES entry a cost file was measured on, None for a CPU or an unknown GPU."""
+    text = str(costs.get("device", "")).lower()
+    return _known_gpu(text, 80 if "80g" in text else 40)
+
+
+def calibrate(costs: dict) -> dict:
+    """The utilisation a GPU cost file measured: the model's FLOPs of its reg step (and of its
+    evaluation forward) over the measured seconds, as a share of its device's peak."""
+    check_order(costs)
+    name = device_of(costs)
+    if name is None:
+        raise ConfigError(
+            f"the cost file was measured on {costs.get('device')!r}, not on a GPU of "
+            f"{', '.join(DEVICES)}: its utilisation says nothing about a GPU"
+        )
+    shape = model_shape(costs.get("model", {}))
+    steps = costs.get("steps", {})
+    if shape is None or "reg" not in steps:
+        raise ConfigError("the cost file has no model shape or no reg step to calibrate from")
+    reg, seq, tokens = steps["reg"], int(costs["seq"]), int(costs["batch"]) * int(costs["seq"])
+    lora = int(reg.get("trainable", 0))
+    peak = DEVICES[name].peak_tflops * 1e12
+    out = {"device": name, "file_device": costs.get("device")}
+    flops = tokens * training_pass_flops(shape, seq, lora, checkpointing=False)
+    out["train"] = flops / reg["step_s"] / peak
+    if "forward" in steps:
+        out["eval"] = tokens * forward_flops(shape, seq, lora) / steps["forward"]["step_s"] / peak
+    return out
