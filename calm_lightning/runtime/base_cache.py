@@ -17,17 +17,19 @@ reliability diagram's title) and the code (the package version, a hash of its so
 versions of torch / transformers / peft). An entry whose stored fingerprint is not equal to the
 job's is never used.
 
-Concurrent jobs (a parallel launcher): the first job takes an exclusive lock on the
-fingerprint while it computes; the others wait on the lock and then read. The entry is built
-in a temporary folder and renamed into place, so a reader never sees half of one, also where
-the lock is not honoured (the second writer's rename fails and it keeps its own result).
+Concurrent jobs (a parallel launcher, SLURM arrays on a shared filesystem): the first job
+takes an exclusive lock on the fingerprint while it computes; the others wait on the lock and
+then read. The lock is `flock`, or on filesystems without it (Lustre with `noflock`) a lock
+file created atomically (runtime/file_lock.py); where neither can be had the jobs go on
+unlocked, with one warning. The entry is built in a temporary folder and renamed into place,
+so a reader never sees half of one, also where the lock is not honoured (the second writer's
+rename fails and it keeps its own result).
 
 Under DDP, rank 0 alone locks, looks and writes; it tells the other ranks whether to compute.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import json
@@ -40,6 +42,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
+from calm_lightning.runtime.file_lock import FileLock, warn_once
 from calm_lightning.runtime.run_record import (
     BASE_CACHE_DIR,
     CACHE_ENTRY_FILE,
@@ -60,6 +63,9 @@ NOT_SCORING = (
 )
 # Keys of the model block that say where files go, not which model it is.
 NOT_MODEL = ("cache_dir",)
+# How long a job waits for another job's lock on a fingerprint (that job scoring the base row)
+# before it scores the row itself.
+LOCK_WAIT_S = 2 * 3600
 
 
 def _canonical(payload) -> str:
@@ -241,14 +247,22 @@ def cache_root(cfg) -> Path | None:
 
 @contextmanager
 def _exclusive(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on `path` (created), held until the block ends."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    """An exclusive lock on `path` (created), held until the block ends. Where no lock can be
+    had (no flock and no atomic file creation, or a holder on another host that never lets go
+    within LOCK_WAIT_S) the block runs unlocked, with one warning: jobs may then score the same
+    row twice, and the atomic rename in `_store` still keeps every entry whole."""
+    lock = FileLock(path)
+    if not lock.acquire(timeout=LOCK_WAIT_S):
+        warn_once(
+            f"base-cache:{path.parent}",
+            "base cache: no lock on %s; going on without it (a concurrent job may score the "
+            "same base row)",
+            path,
+        )
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class BaseCache:
