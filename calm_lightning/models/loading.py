@@ -15,6 +15,7 @@ from calm_lightning.config_rules import Flag, Number, OneOf, Text, check_values
 from calm_lightning.errors import ConfigError, ModelUnavailableError
 from calm_lightning.models import embedded
 from calm_lightning.models.shapes import get_shape
+from calm_lightning.runtime.job_device import job_cuda_device
 from calm_lightning.runtime.resolvers import cuda_available
 
 log = logging.getLogger(__name__)
@@ -257,8 +258,8 @@ def _load_weights(location: str, cfg: dict, dtype: torch.dtype, quantize: bool, 
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype,
         )
-        # 4-bit weights cannot be moved after loading; place them on this process's GPU.
-        kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
+        # 4-bit weights cannot be moved after loading; place them on this job's GPU.
+        kwargs["device_map"] = {"": job_cuda_device().index}
     try:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except OSError as err:
@@ -343,7 +344,7 @@ def _build_tiny(cfg: dict) -> LoadedModel:
     quantize = shaped and resolve_quantization(cfg.get("quantization", "none"))
     device = torch.device("cpu")
     if shaped and cuda_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = job_cuda_device()
     tiny = cfg.get("tiny", {})
     # A private generator keeps the weights identical whatever the global seed did before.
     state = torch.random.get_rng_state()

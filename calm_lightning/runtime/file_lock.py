@@ -57,6 +57,7 @@ class FileLock:
         self.owner_file = self.path.with_name(self.path.name + ".owner")
         self._handle = None
         self._owns_file = False
+        self.unavailable = False  # set when no lock at all can be taken here
 
     @property
     def held(self) -> bool:
@@ -68,6 +69,7 @@ class FileLock:
         while True:
             taken = self._try_once()
             if taken is not None:
+                self.unavailable = not taken
                 return taken
             if not blocking or (deadline is not None and time.monotonic() >= deadline):
                 return False
