@@ -172,6 +172,24 @@ def test_every_load_path_puts_weights_on_the_jobs_gpu(monkeypatch):
     assert seen["default_device"] == torch.device("cuda", 1)
 
 
+def test_a_local_multirun_of_ddp_jobs_is_refused_but_not_through_slurm(in_job):
+    # Lightning would start each job's second process by re-running the whole sweep.
+    import lightning as L
+
+    from calm_lightning.runtime.validation import check_world_size
+
+    ddp = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    assert ddp.world_size == 2
+    check_world_size(ddp, retention_enabled=False)  # a single run: Lightning's launch is fine
+    in_job(["trainer=ddp"])  # a job of a multirun, the basic launcher
+    with pytest.raises(ConfigError, match="--multirun with 2 processes .*slurm_ddp"):
+        check_world_size(ddp, retention_enabled=False)
+    slurm = SimpleNamespace(creates_processes_externally=True)  # srun started every process
+    check_world_size(SimpleNamespace(world_size=2, strategy=SimpleNamespace(
+        cluster_environment=slurm)), retention_enabled=False)  # fmt: skip
+    check_world_size(L.Trainer(accelerator="cpu", devices=1, logger=False), False)
+
+
 def test_the_refusal_comes_before_the_model_loads(in_job, monkeypatch):
     from omegaconf import open_dict
 
