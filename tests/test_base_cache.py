@@ -242,6 +242,10 @@ def test_a_lock_file_left_by_a_dead_process_is_taken_over(tmp_path, monkeypatch)
     # another host's owner cannot be checked: held until the wait runs out
     lock.owner_file.write_text("some-other-node 1\n")
     assert not lock.acquire(timeout=0.3)
+    # a folder where no lock file can even be opened: no lock, no crash
+    (tmp_path / "a_file").write_text("")
+    nowhere = file_lock.FileLock(tmp_path / "a_file" / "entry.lock")
+    assert not nowhere.acquire() and nowhere.unavailable
 
 
 def test_a_mismatched_entry_is_never_used(tmp_path):

@@ -2,15 +2,16 @@
 
 `flock` is the first choice: the kernel releases it when its holder dies. Some shared
 filesystems refuse it (Lustre mounted with `noflock`, some NFS setups: ENOLCK, EOPNOTSUPP,
-ENOSYS, EINVAL); there the lock is a second file created atomically (`O_CREAT | O_EXCL`)
-holding its owner's host and pid, removed on release. Such a file outlives a crashed holder, so
-one whose owner is a dead process of this host is taken over; one from another host counts as
-held until the caller's wait runs out. Either way the fallback is logged once per process.
+ENOSYS, EINVAL: any error but "held by another"); there the lock is a second file created
+atomically (`O_CREAT | O_EXCL`) holding its owner's host and pid, removed on release. Such a
+file outlives a crashed holder, so one whose owner is a dead process of this host is taken
+over; one from another host counts as held until the caller's wait runs out. Either way the
+fallback is logged once per process.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import fcntl
 import logging
 import os
@@ -20,8 +21,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# What `flock` raises on a filesystem that does not support it (not "held by another").
-UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENOTSUP}
 POLL_S = 0.2
 _warned: set[str] = set()
 
@@ -64,7 +63,8 @@ class FileLock:
         return self._handle is not None or self._owns_file
 
     def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # reported by the open below
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             taken = self._try_once()
@@ -77,16 +77,19 @@ class FileLock:
 
     def _try_once(self) -> bool | None:
         """True: taken; None: held by another (try again); False: cannot lock here."""
-        handle = open(self.path, "a")  # noqa: SIM115 (kept open while the lock is held)
+        try:
+            handle = open(self.path, "a")  # noqa: SIM115 (kept open while the lock is held)
+        except OSError as err:  # a read-only or missing folder: no lock of either kind
+            warn_once(f"open:{self.path.parent}", "no lock can be taken under %s (%s)",
+                      self.path.parent, err)  # fmt: skip
+            return False
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.close()
             return None
-        except OSError as err:
+        except OSError as err:  # ENOLCK, EOPNOTSUPP, ...: the filesystem does not do flock
             handle.close()
-            if err.errno not in UNSUPPORTED:
-                raise
             warn_once(
                 f"flock:{self.path.parent}",
                 "flock is not supported under %s (%s): locking with atomically created files "
