@@ -138,9 +138,11 @@ def test_a_moving_hub_revision_resolves_to_the_commit_read(tmp_path, monkeypatch
     assert resolved_choices({**hub, "local_path": str(tmp_path)})["revision"] is None
 
 
-def test_the_retention_fingerprint_holds_its_precision(compose):
+def test_the_retention_fingerprint_holds_its_precision(compose, monkeypatch):
     from calm_lightning.evaluation.lm_eval_retention import RetentionSettings
     from calm_lightning.runtime.base_cache import retention_fingerprint
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on any machine
 
     settings = RetentionSettings(tasks=("piqa",))
     prints = {

@@ -36,6 +36,7 @@ def in_job(compose, tmp_path):
         return cfg
 
     yield enter
+    parallel.release_job_device()  # a GPU a test's job took from its pool
     HydraConfig.instance().cfg = None
 
 
@@ -53,8 +54,10 @@ def test_several_devices_per_job_are_refused_without_ddp(in_job):
         parallel.check_parallel_jobs(cfg)
 
 
-def test_one_device_per_job_and_the_basic_launcher_pass(in_job):
-    parallel.check_parallel_jobs(in_job(["hydra/launcher=parallel", "trainer=parallel_job"]))
+def test_one_device_per_job_and_the_basic_launcher_pass(in_job, monkeypatch, tmp_path):
+    monkeypatch.setattr(parallel, "_gpu_count", lambda: 2)  # the same on any machine
+    jobs = ["hydra/launcher=parallel", "trainer=parallel_job", f"hydra.sweep.dir={tmp_path}"]
+    parallel.check_parallel_jobs(in_job(jobs))
     # The basic launcher runs one job at a time: the multi-process checks of a run apply.
     assert parallel.parallel_jobs() > 1
     cfg = in_job(["trainer=ddp"])
