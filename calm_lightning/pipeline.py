@@ -28,6 +28,7 @@ from calm_lightning.methods.base import CalibrationMethod, method_class
 from calm_lightning.models.loading import LoadedModel, load_language_model
 from calm_lightning.runtime.base_cache import BaseCache
 from calm_lightning.runtime.distributed import is_main_process
+from calm_lightning.runtime.job_device import set_job_device
 from calm_lightning.runtime.loggers import build_loggers, finish_loggers, publish_results
 from calm_lightning.runtime.method_settings import applied_method_setting, log_method_setting
 from calm_lightning.runtime.run_record import (
@@ -141,6 +142,7 @@ def run_experiment(cfg: DictConfig) -> RunResult:
         callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node]
         trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
         check_world_size(trainer, retention.enabled)
+        set_job_device(trainer.strategy.root_device)  # where loaders put weights themselves
         with stopwatch.phase("load_model"):
             loaded = load_language_model(cfg.model)
         datamodule.tokenizer = loaded.tokenizer

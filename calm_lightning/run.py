@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 import calm_lightning.runtime.resolvers  # noqa: F401  (importing it registers the resolvers)
 from calm_lightning.errors import CalmLightningError
 from calm_lightning.runtime.multirun import in_multirun
+from calm_lightning.runtime.parallel import release_job_device
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ def main(cfg: DictConfig) -> float | None:
             print(f"\nerror: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
             raise SystemExit(1) from None
         raise
+    finally:
+        release_job_device()  # a parallel sweep's next job may take this job's GPU
     return sweep_objective(cfg, result.metrics, result.comparison)
 
 

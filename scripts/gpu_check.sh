@@ -11,14 +11,16 @@
 #
 # Needs torch (CUDA build), lightning, transformers, peft, safetensors, pandas, tokenizers and
 # this project's pure-Python dependencies (docs/hardware.md, "Offline GPU node"); bitsandbytes
-# for the 4-bit check (skipped without it). Checks needing 2 GPUs are skipped on one.
+# for the 4-bit check (skipped without it). On one GPU: the DDP checks are skipped, FSDP runs
+# as one unsharded process, `collectives` runs every collective on a one-GPU NCCL group.
+# Not yet run on a GPU: commit its output under results/ when it is (docs/hardware.md).
 set -u
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=outputs/gpu_check
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 ARGS=()
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;

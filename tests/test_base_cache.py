@@ -3,8 +3,11 @@ concurrent jobs, and runs that read their base row equal to runs that score it, 
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
+import os
+import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +18,7 @@ import torch
 from calm_lightning.data.sources import EmbeddedDemoSource
 from calm_lightning.methods.base import method_class
 from calm_lightning.pipeline import run_experiment
+from calm_lightning.runtime import file_lock
 from calm_lightning.runtime.base_cache import BaseCache, Fingerprint, base_fingerprint
 from calm_lightning.runtime.run_record import BASE_CACHE_DIR, BASE_DIR, METRICS_FILE
 
@@ -87,6 +91,71 @@ def test_fingerprint_follows_what_the_base_row_depends_on(compose):
     assert moved.digest != reference.digest
 
 
+def test_fingerprint_holds_the_resolved_quantization_dtype_and_device(compose, monkeypatch):
+    from calm_lightning.models import loading
+
+    cpu = _fingerprint(compose, [])
+    assert cpu.inputs["model"]["resolved"] == {
+        "dtype": "float32", "quantization": "none", "revision": None,
+    }  # fmt: skip
+    assert cpu.inputs["numerics"]["device_name"] == "cpu"
+    # `auto` on a GPU: nf4 with bitsandbytes, plain LoRA without: the same config, two rows.
+    shape = {"source": "tiny", "shape": "small", "quantization": "auto", "dtype": "auto"}
+    monkeypatch.setattr(loading, "cuda_available", lambda: True)
+    monkeypatch.setattr(loading, "_bitsandbytes_installed", lambda: True)
+    with_bnb = loading.resolved_choices({**shape, "source": "hub", "local_path": "/m"})
+    assert loading.resolved_choices(shape)["quantization"] == "nf4"  # a random shape
+    monkeypatch.setattr(loading, "_bitsandbytes_installed", lambda: False)
+    without = loading.resolved_choices({**shape, "source": "hub", "local_path": "/m"})
+    assert (with_bnb["quantization"], without["quantization"]) == ("nf4", "none")
+    assert with_bnb["dtype"] == without["dtype"] == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    gpu = SimpleNamespace(**{**vars(CPU_TRAINER), "strategy": SimpleNamespace(
+        root_device=torch.device("cuda", 1))})  # fmt: skip
+    cfg = compose(TINY_CALM, "/tmp/unused")
+    records = EmbeddedDemoSource("mcqa", "test", limit=8).load()
+    numerics = base_fingerprint(cfg, method_class(cfg), records, gpu).inputs["numerics"]
+    assert numerics["device"] == "cuda" and numerics["device_name"] == "NVIDIA H200"
+
+
+def test_a_moving_hub_revision_resolves_to_the_commit_read(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from calm_lightning.models.loading import resolved_choices
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--model"
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    hub = {"source": "hub", "model_id": "org/model", "quantization": "none", "revision": None}
+    (repo / "refs" / "main").write_text("a" * 40)
+    assert resolved_choices(hub)["revision"] == "a" * 40
+    (repo / "refs" / "main").write_text("b" * 40)  # main moved: another fingerprint
+    assert resolved_choices(hub)["revision"] == "b" * 40
+    assert resolved_choices({**hub, "revision": "a" * 40})["revision"] == "a" * 40
+    assert resolved_choices({**hub, "local_path": str(tmp_path)})["revision"] is None
+
+
+def test_the_retention_fingerprint_holds_its_precision(compose, monkeypatch):
+    from calm_lightning.evaluation.lm_eval_retention import RetentionSettings
+    from calm_lightning.runtime.base_cache import retention_fingerprint
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on any machine
+
+    settings = RetentionSettings(tasks=("piqa",))
+    prints = {
+        dtype: retention_fingerprint(cfg, method_class(cfg), settings)
+        for dtype in ("float32", "bfloat16")
+        for cfg in [compose([*TINY_CALM, "model=random", f"model.dtype={dtype}"], "/tmp/unused")]
+    }
+    assert prints["bfloat16"].inputs["numerics"] == {
+        "device": "cpu", "device_name": "cpu", "dtype": "bfloat16", "quantization": "none",
+    }  # fmt: skip
+    assert prints["float32"].digest != prints["bfloat16"].digest
+
+
 def _job(root: str, log: str, index: int, barrier) -> None:
     """One concurrent job: compute (slowly, appending to `log`) unless another job did."""
     cache = BaseCache(Path(root))
@@ -103,7 +172,14 @@ def _job(root: str, log: str, index: int, barrier) -> None:
     Path(root, f"job{index}.json").write_text(json.dumps([payload, record["status"]]))
 
 
-def test_concurrent_jobs_compute_once_and_the_others_read(tmp_path):
+def _no_flock(handle, operation):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))  # Lustre mounted with noflock
+
+
+@pytest.mark.parametrize("locking", ["flock", "no flock"])
+def test_concurrent_jobs_compute_once_and_the_others_read(tmp_path, monkeypatch, locking):
+    if locking == "no flock":  # the forked jobs inherit the patch: the O_EXCL lock file
+        monkeypatch.setattr(file_lock.fcntl, "flock", _no_flock)
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(4)
     log = tmp_path / "computed.txt"
@@ -124,6 +200,54 @@ def test_concurrent_jobs_compute_once_and_the_others_read(tmp_path):
     assert not [
         p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".base-") and p.is_dir()
     ]
+
+
+def test_without_any_lock_a_job_warns_once_and_still_computes_and_stores(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(file_lock.fcntl, "flock", _no_flock)
+    monkeypatch.setattr(file_lock, "_warned", set())
+
+    real_open = os.open
+
+    def no_lock_file(path, flags, *args):  # the lock file cannot be made; entries can
+        if str(path).endswith(".owner"):
+            raise PermissionError(errno.EACCES, "no lock file here")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(file_lock.os, "open", no_lock_file)
+    cache = BaseCache(tmp_path)
+    with caplog.at_level("WARNING"):
+        first = cache.fetch(Fingerprint("base", {"what": 1}), lambda: {"value": 1})
+        second = cache.fetch(Fingerprint("base", {"what": 1}), lambda: {"value": 2})
+    assert first == ({"value": 1}, {**first[1], "status": "computed"})
+    assert second[0] == {"value": 1} and second[1]["status"] == "read"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sum("flock is not supported" in w for w in warnings) == 1
+    assert sum("no lock can be taken" in w for w in warnings) == 1
+    assert sum("going on without it" in w for w in warnings) == 1
+
+
+def test_a_lock_file_left_by_a_dead_process_is_taken_over(tmp_path, monkeypatch):
+    monkeypatch.setattr(file_lock.fcntl, "flock", _no_flock)
+    dead = multiprocessing.get_context("fork").Process(target=lambda: None)
+    dead.start()
+    dead.join()
+    lock = file_lock.FileLock(tmp_path / "entry.lock")
+    lock.owner_file.write_text(f"{socket.gethostname()} {dead.pid}\n")
+    assert lock.acquire(timeout=5) and lock.held
+    other = file_lock.FileLock(tmp_path / "entry.lock")
+    assert not other.acquire(blocking=False)  # alive owner (this process): held
+    lock.release()
+    assert not lock.owner_file.exists() and other.acquire(blocking=False)
+    other.release()
+    # another host's owner cannot be checked: held until the wait runs out
+    lock.owner_file.write_text("some-other-node 1\n")
+    assert not lock.acquire(timeout=0.3)
+    # a folder where no lock file can even be opened: no lock, no crash
+    (tmp_path / "a_file").write_text("")
+    nowhere = file_lock.FileLock(tmp_path / "a_file" / "entry.lock")
+    assert not nowhere.acquire() and nowhere.unavailable
 
 
 def test_a_mismatched_entry_is_never_used(tmp_path):

@@ -360,6 +360,79 @@ def test_the_device_guard_refuses_a_tensor_off_the_backends_device(monkeypatch):
     assert made.device.type == "meta" and kept is cpu
 
 
+class CudaOnMeta(torch.overrides.TorchFunctionMode):
+    """CUDA emulated on a machine without it: a CUDA device handed to any torch call becomes
+    the meta device, so a tensor placed on `collective_device()` under NCCL can be told from
+    one left on (or moved to) the CPU."""
+
+    @staticmethod
+    def _swap(value):
+        if isinstance(value, torch.device) and value.type == "cuda":
+            return torch.device("meta")
+        if isinstance(value, str) and value.startswith("cuda"):
+            return "meta"
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args = tuple(self._swap(a) for a in args)
+        kwargs = {k: self._swap(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+class Reached(Exception):
+    """A collective was called (the emulated process group stops there)."""
+
+
+@pytest.mark.parametrize(("backend", "expected"), [("nccl", "meta"), ("gloo", "cpu")])
+def test_every_collective_builds_its_tensors_on_the_backends_device(monkeypatch, backend, expected):
+    # NCCL's branch of collective_device() on a CPU machine: the backend patched, CUDA emulated
+    # on the meta device, two ranks claimed; every collective call site of distributed.py is
+    # reached and checked (the same call sites the AST finds).
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(distributed, "world", lambda: (0, 2))
+    if backend == "nccl":
+        assert distributed.collective_device() == torch.device("cuda", 1)
+    calls: dict[int, list[str]] = {}
+
+    def collective(first, *args, **kwargs):
+        frame = sys._getframe(1)
+        assert frame.f_code.co_filename == distributed.__file__
+        calls[frame.f_lineno] = [str(t.device) for t in _tensors([first, *args])]
+        raise Reached
+
+    for name in ("all_reduce", "all_gather_object"):
+        monkeypatch.setattr(torch.distributed, name, collective)
+    loss, grads = torch.tensor(0.5), [torch.ones(2), None]
+    helpers = [
+        lambda: distributed.all_reduce_sum([loss, torch.ones(3, dtype=torch.bfloat16)]),
+        lambda: distributed.any_rank(True),
+        lambda: GlobalMean().share(3),
+        lambda: GlobalMean().weight(3),
+        lambda: GlobalMean().value(loss, 3),
+        lambda: GlobalMean().gradients(grads, 3),
+        lambda: GlobalMean().both(loss, grads, 3),
+        lambda: distributed.gather_objects({"rank": 0}),
+    ]
+    with CudaOnMeta():
+        for helper in helpers:
+            with pytest.raises(Reached):
+                helper()
+    sites = {int(c.split(":")[1]) for c in _collective_calls(Path(distributed.__file__))}
+    assert set(calls) == sites  # every collective of the module, none missed
+    gather = [line for line, devices in calls.items() if not devices]
+    assert len(gather) == 1  # all_gather_object: torch places the pickled bytes itself
+    assert all(devices == [expected] for line, devices in calls.items() if line not in gather)
+
+
+def test_gpu_check_collectives_run_every_helper_on_a_process_group(tmp_path):
+    # The GPU check's NCCL step, on gloo: the same helpers on a real one-process group.
+    from calm_lightning.acceptance import run_collectives
+
+    data = run_collectives(tmp_path, "gloo")
+    assert data["backend"] == "gloo" and data["device"] == "cpu"
+
+
 def _collective_calls(path: Path) -> list[str]:
     """`torch.distributed` collectives (or its process-group calls) called in one file."""
     names = {*COLLECTIVES, "all_gather_object", "broadcast_object_list", "barrier"}

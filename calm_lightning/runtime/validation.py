@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from calm_lightning.config_rules import Number, Text, check_values, merged_rules
+from calm_lightning.config_rules import Flag, Number, Text, check_values, merged_rules
 from calm_lightning.data.setting_rules import SETTING_RULES
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.rules import EVALUATION_RULES, MODEL_EVALUATION_RULES
@@ -30,7 +30,11 @@ from calm_lightning.runtime.parallel import check_parallel_jobs
 from calm_lightning.runtime.strategies import TRAINER_RULES, uses_fsdp
 
 # The primary config's own keys (conf/run.yaml).
-RUN_RULES = {"seed": Number(integer=True, required=True), "ckpt_path": Text(optional=True)}
+RUN_RULES = {
+    "seed": Number(integer=True, required=True),
+    "ckpt_path": Text(optional=True),
+    "oversubscribe_gpus": Flag(),
+}
 # The `method` group's keys besides `module` and `head`: `epochs` for the methods that train.
 METHOD_RULES = {"name": Text(required=True), "epochs": Number(minimum=1, integer=True)}
 # A reference model (conf/reference_model/*.yaml) is a model node that names its PoLM.
