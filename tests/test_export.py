@@ -336,6 +336,7 @@ def test_adapter_only_method_exports_without_head_and_in_another_dtype(calm_run,
         "adapter": "merged",
         "dtype": "bfloat16",
         "trained_on_4bit_base": False,
+        "logit_scale": 1.0,
     }
     assert not (folder / "logit_adjustment.safetensors").exists()
     processor = CalibrationLogitsProcessor.from_pretrained(folder)
@@ -665,9 +666,24 @@ def test_a_folded_export_evaluates_as_a_base_model(ts_run, tmp_path, compose):
     np.testing.assert_allclose(_predictions(tmp_path / "served"), _predictions(run_dir), atol=1e-5)
 
 
+def _untied(model):
+    """`model` with an output layer of its own (a copy of the tied embedding)."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.tie_word_embeddings = False
+    untied = AutoModelForCausalLM.from_config(config).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = model.get_input_embeddings().weight.detach().clone()
+    untied.load_state_dict(state)
+    return untied
+
+
 def test_fold_head_is_exact_where_it_folds_and_refuses_where_it_cannot(compose):
-    """Each foldable head kind against head(logits) computed by hand; the others refused."""
-    from calm_lightning.exported.folding import fold_head, fold_obstacle
+    """Each foldable head kind against head(logits) computed by hand: scalar heads into the
+    final norm (the tied embedding untouched), vector heads into an untied output layer only;
+    the others refused with the reason."""
+    from calm_lightning.exported.folding import fold_head, fold_obstacle, fold_target
     from calm_lightning.models.loading import load_language_model
     from calm_lightning.models.logit_adjustment import LogitAdjustment
 
@@ -677,6 +693,9 @@ def test_fold_head_is_exact_where_it_folds_and_refuses_where_it_cannot(compose):
     cases = [("scalar", "none"), ("scalar", "logsumexp"), ("vector", "none"), ("vector", "mean")]
     for kind, center in cases:
         model = load_language_model(cfg.model).model.eval()
+        if kind == "vector":
+            model = _untied(model)
+        embedding = model.model.embed_tokens.weight.detach().clone()
         head = LogitAdjustment(model.config.vocab_size, kind=kind, center=center)
         with torch.no_grad():
             head.scale.copy_(0.3 + torch.rand(head.scale.shape, generator=generator))
@@ -685,23 +704,33 @@ def test_fold_head_is_exact_where_it_folds_and_refuses_where_it_cannot(compose):
             logits = model(input_ids=ids).logits
             z = logits - (logits.mean(-1, keepdim=True) if center == "mean" else 0)
             expected = torch.softmax(head.scale * z + 0.7, dim=-1)
-        assert fold_obstacle(head, model, adapted_output=False) is None
+        target = "final_norm" if kind == "scalar" else "output_layer"
+        assert fold_target(head, model, adapted_output=False) == (target, None)
         error = fold_head(model, head, ids)
         with torch.no_grad():
             folded = torch.softmax(model(input_ids=ids).logits, dim=-1)
         torch.testing.assert_close(folded, expected, atol=1e-5, rtol=0)
         assert error < 1e-5
         assert (torch.softmax(logits, -1) - expected).abs().max() > 1e-3
-        assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+        torch.testing.assert_close(model.model.embed_tokens.weight, embedding, atol=0, rtol=0)
+        if kind == "scalar":  # still tied: one tensor, the embedding as it was
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     model = load_language_model(cfg.model).model
     vector = LogitAdjustment(model.config.vocab_size, kind="vector", center="none")
+    assert "tie_word_embeddings" in fold_obstacle(vector, model, adapted_output=False)
+    assert "adapter" in fold_obstacle(vector, _untied(model), adapted_output=True)
     with torch.no_grad():
         vector.bias[3] = 1.0
     assert "per-token bias" in fold_obstacle(vector, model, adapted_output=False)
     centred = LogitAdjustment(model.config.vocab_size, kind="vector", center="logsumexp")
     assert "logsumexp" in fold_obstacle(centred, model, adapted_output=False)
     scalar = LogitAdjustment(model.config.vocab_size, kind="scalar")
-    assert "adapter" in fold_obstacle(scalar, model, adapted_output=True)
+    assert fold_obstacle(scalar, model, adapted_output=True) is None  # the norm is not adapted
+    model.config.final_logit_softcapping = 30.0
+    assert "final_logit_softcapping" in fold_obstacle(scalar, model, adapted_output=False)
+    model.config.final_logit_softcapping = None
+    model.config.model_type = "olmo"
+    assert "NORM_FORMS" in fold_obstacle(scalar, model, adapted_output=False)
 
 
 @pytest.mark.integration
@@ -760,16 +789,22 @@ def test_the_processor_is_exact_under_beam_search_or_refuses(calm_run, exported,
     eos = eos[0] if isinstance(eos, list) else eos
     options = {"do_sample": False, "num_beams": 3, "max_new_tokens": STEPS}
     options["min_new_tokens"] = STEPS
-    refusing = LogitsProcessorList([CalibrationLogitsProcessor.from_pretrained(folder)])
+    refusing = LogitsProcessorList(
+        [CalibrationLogitsProcessor.from_pretrained(folder, scores="log_probs")]
+    )
     with pytest.raises(ValueError, match="trust_remote_code=True"):
         model.generate(ids, logits_processor=refusing, **options)
+    # Built for logits (the default) and handed beam search's log-probabilities: it says so.
+    for_logits = LogitsProcessorList([CalibrationLogitsProcessor.from_pretrained(folder)])
+    with pytest.raises(ValueError, match='scores="log_probs"'):
+        model.generate(ids, logits_processor=for_logits, **options)
 
     head = LogitAdjustment(model.config.vocab_size, kind="vector", center="logsumexp")
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         head.scale.copy_(0.2 + 1.5 * torch.rand(head.vocab_size, generator=generator))
         head.bias.copy_(torch.randn(head.vocab_size, generator=generator))
-    processors = LogitsProcessorList([CalibrationLogitsProcessor(head)])
+    processors = LogitsProcessorList([CalibrationLogitsProcessor(head, scores="log_probs")])
     with torch.no_grad():
         out = model.generate(ids, logits_processor=processors, **options)[0].tolist()
         plain = model.generate(ids, **options)[0].tolist()
