@@ -74,6 +74,8 @@ def calibration_info(
             "adapter": None if run.adapter_dir is None else ("merged" if merged else ADAPTER_DIR),
             "dtype": dtype,
             "trained_on_4bit_base": run.base_4bit,
+            # model.logit_scale: the run's final norm x k, in these weights too
+            "logit_scale": float(run.cfg.model.get("logit_scale", 1.0)),
         },
         "base_model": run.base_model_id,
         "option_tokens": option_tokens,

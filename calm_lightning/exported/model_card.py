@@ -128,19 +128,36 @@ def _model_index(run, info: dict) -> dict:
 
 def _title(run, info: dict) -> str:
     base = run.base_model_id or run.cfg.model.name
-    weights = {
-        None: "The weights are the base model's, unchanged.",
-        "merged": "The method's LoRA adapters are merged into the weights.",
-        "adapter": "The weights are the base model's; the method's LoRA adapter is in "
-        "`adapter/` (load it with PEFT, below).",
-    }[info["weights"]["adapter"]]
     return (
         f"# {base}, calibrated with `{run.method}`\n\n"
         f"Exported by `python -m calm_lightning.export` from a calm-lightning run "
         f"(model `{run.cfg.model.name}`, method `{run.method}`, setting "
-        f"`{run.cfg.setting.name}`, seed {run.cfg.get('seed')}). {weights} "
+        f"`{run.cfg.setting.name}`, seed {run.cfg.get('seed')}). {_weights(info)} "
         f"Weights are stored in {info['weights']['dtype']}.{_qlora_note(info)}\n"
     )
+
+
+def _weights(info: dict) -> str:
+    """What the weights are, against the base model's."""
+    weights = info["weights"]
+    folded = info["serving"].get("folded_into")
+    text = {
+        None: "The weights are the base model's"
+        + (", the calibration folded in (below)." if folded else ", unchanged."),
+        "merged": "The method's LoRA adapters are merged into the weights.",
+        "adapter": "The weights are the base model's; the method's LoRA adapter is in "
+        "`adapter/` (load it with PEFT, below).",
+    }[weights["adapter"]]
+    scale = weights.get("logit_scale", 1.0)
+    if scale != 1.0:
+        text += (
+            f" **Logit scale {scale:g}:** the run multiplied every logit by k = {scale:g} "
+            "(`model.logit_scale`, a deliberately over-confident model, through the final "
+            "norm's weight), and these weights carry that factor too (`calibration.json`: "
+            "`weights.logit_scale`); calm-lightning refuses to load them with "
+            "`model.logit_scale` again."
+        )
+    return text
 
 
 def _qlora_note(info: dict) -> str:
@@ -162,12 +179,8 @@ def _serving(info: dict) -> str:
             "server that loads this checkpoint serves the calibrated model."
         )
     elif mode == "folded":
-        text = (
-            "**The calibration head is folded into the output layer** (exact for this head): "
-            "this is an ordinary checkpoint of the base architecture, and any server that loads "
-            "it (transformers, vLLM, TGI, lm-eval, llama.cpp after conversion) serves the "
-            "calibrated distribution, prompt log-probabilities included. Do not apply a "
-            "calibration on top."
+        text = FOLDED_NOTES[info["serving"]["folded_into"]] + (
+            " Prompt log-probabilities are calibrated too. Do not apply a calibration on top."
         )
     else:
         serving = info["serving"]
@@ -180,6 +193,25 @@ def _serving(info: dict) -> str:
             f"then apply `{serving['processor_file']}` in `generate` (never both)."
         )
     return "## Serving\n\n" + text + "\n"
+
+
+# The serving note of a folded head, by where it was folded (folding.py). Which servers read
+# which tensor, and how each claim was checked: docs/export.md, "Which servers serve it".
+FOLDED_NOTES = {
+    "final_norm": "**The calibration is folded into the final norm's weight** (a temperature T "
+    "divides every logit: the norm's gain is scaled by 1 / T; exact, and the input/output "
+    "embeddings stay as the base model has them). This is an ordinary checkpoint of the base "
+    "architecture: transformers (`AutoModelForCausalLM`, `pipeline`) and lm-eval's `hf` model "
+    "serve the calibrated distribution, and vLLM, TGI and llama.cpp's GGUF converter read the "
+    "final norm's weight as any other. One side effect: the last entry of "
+    "`output_hidden_states` is divided by T as well.",
+    "output_layer": "**The calibration is folded into the output layer** (`lm_head.weight`, "
+    "row y scaled by d_y; exact for this head, and this model's output layer is its own, not "
+    "the input embedding). This is an ordinary checkpoint of the base architecture: "
+    "transformers (`AutoModelForCausalLM`, `pipeline`) and lm-eval's `hf` model serve the "
+    "calibrated distribution, and vLLM, TGI and llama.cpp's GGUF converter read an untied "
+    "`lm_head.weight` of this architecture.",
+}
 
 
 def _usage(info: dict) -> str:
@@ -206,6 +238,7 @@ def _usage(info: dict) -> str:
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         'folder = "path/to/this/folder"  # or its Hub id\n'
         "model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)\n"
+        f"{adapter}"
         "```\n\n"
         "Or without custom code: the calibration as a logits processor (torch and transformers "
         "only), applied to the next-token scores before sampling.\n\n"
@@ -330,13 +363,17 @@ def _names(files):
 
 
 def _hyper_parameters(run) -> str:
+    from calm_lightning.exported.private_paths import public_block
+
     blocks = {"method": run.cfg.method}
     if run.adapter_dir is not None:
         blocks["peft"] = run.cfg.get("peft")
-    text = OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in blocks.items() if v is not None}))
+    kept = {k: OmegaConf.to_container(v, resolve=True) for k, v in blocks.items() if v is not None}
+    text = yaml.safe_dump(public_block(kept), sort_keys=False)
     return (
         "## Hyper-parameters\n\n"
-        "The run's `method` block (and `peft` for adapters), from its `config_resolved.yaml`:"
+        "The run's `method` block (and `peft` for adapters), from its `config_resolved.yaml` "
+        "(the models it names by their Hub id, local paths left out):"
         "\n\n```yaml\n" + text + "```\n"
     )
 
