@@ -598,8 +598,9 @@ def _project_logits(calibrated):
 
 @pytest.mark.integration
 def test_a_temperature_run_folds_into_the_weights_and_serves_without_the_project(ts_run, tmp_path):
-    """Must-show: a folded TS export, loaded by plain AutoModelForCausalLM where `import
-    calm_lightning` fails, gives the calibrated next-token distribution (base / T)."""
+    """Must-show: a folded TS export of the tiny (tied) model keeps its embeddings tied, and
+    plain AutoModelForCausalLM, where `import calm_lightning` fails, gives the calibrated
+    next-token distribution (base / T) to 1e-5 in fp32."""
     from safetensors.torch import load_file
 
     from calm_lightning import CalibrationLogitsProcessor, load_calibrated
@@ -612,8 +613,9 @@ def test_a_temperature_run_folds_into_the_weights_and_serves_without_the_project
     assert info["serving"]["calibration"] == "folded" and not info["serving"]["trust_remote_code"]
     assert info["serving"]["max_probability_error"] < 1e-5
     assert info["head"]["file"] is None and not (folder / "logit_adjustment.safetensors").exists()
+    assert info["serving"]["folded_into"] == "final_norm"
     config = json.loads((folder / "config.json").read_text())
-    assert config["tie_word_embeddings"] is False and "auto_map" not in config
+    assert config["tie_word_embeddings"] is True and "auto_map" not in config
     assert not (folder / "modeling_calibrated.py").exists()
 
     base = load_language_model(cfg.model).model.eval()
@@ -623,15 +625,16 @@ def test_a_temperature_run_folds_into_the_weights_and_serves_without_the_project
     result = _without_project(folder, remote=False, tmp_path=tmp_path)
     assert result["class"] == "LlamaForCausalLM"
     probs = torch.tensor(result["probs"])
-    torch.testing.assert_close(probs, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(probs, expected, atol=1e-5, rtol=0)
     # Teeth: the temperature moved these probabilities well beyond the tolerance.
     with torch.no_grad():
         untouched = torch.softmax(base(input_ids=ids).logits[:, -1], dim=-1)
     assert (untouched - expected).abs().max() > 1e-2
-    # Untied: the input embedding is the base's, only the output layer carries 1 / T.
+    # Still tied: one embedding, the base's; only the final norm carries 1 / T.
     weights = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in weights
     torch.testing.assert_close(weights["model.embed_tokens.weight"], base.model.embed_tokens.weight)
-    torch.testing.assert_close(weights["lm_head.weight"], base.lm_head.weight / temperature)
+    torch.testing.assert_close(weights["model.norm.weight"], base.model.norm.weight / temperature)
     # The project's readers apply nothing on top.
     assert CalibrationLogitsProcessor.from_pretrained(folder).head is None
     records = [json.loads(line) for line in (run_dir / "predictions.jsonl").open()][:4]
