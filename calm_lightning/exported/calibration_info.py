@@ -100,8 +100,10 @@ def _serving_info(serving: dict | None, head) -> dict:
         return {
             **serving,
             "trust_remote_code": False,
-            "note": "the head is folded into the output layer: any server loading this "
-            "checkpoint serves the calibrated distribution; do not apply the head again",
+            "note": f"the head is folded into the {serving['folded_into'].replace('_', ' ')}'s "
+            "weight: a server loading this checkpoint as the base architecture serves the "
+            "calibrated distribution (docs/export.md lists which were checked); do not apply "
+            "the head again",
         }
     return {
         **serving,
