@@ -189,8 +189,11 @@ def _serving(info: dict) -> str:
             f"the weights ({serving['why_not_folded']}); `{serving['modeling_file']}` "
             "applies it in `forward`, so `generate` (greedy, sampling, beam search), pipelines "
             "and lm-eval's `hf` model see calibrated logits. **Loaded without it** (plain "
-            "transformers, vLLM, TGI, llama.cpp) **this is the uncalibrated fine-tuned model**; "
-            f"then apply `{serving['processor_file']}` in `generate` (never both)."
+            "transformers; TGI, which runs no custom code for this architecture) **this is the "
+            "uncalibrated model**; with plain transformers apply "
+            f"`{serving['processor_file']}` in `generate` instead (never both). vLLM refuses "
+            "the head's tensors and llama.cpp's GGUF converter stops at them: no server path "
+            "serves this head calibrated."
         )
     return "## Serving\n\n" + text + "\n"
 

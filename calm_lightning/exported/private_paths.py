@@ -4,6 +4,7 @@ file of the finished folder is searched for them before it is published."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -17,8 +18,10 @@ TEXT_SUFFIXES = (".json", ".md", ".py", ".jinja", ".txt", ".yaml", ".model")
 
 def is_local_path(value) -> bool:
     """An absolute or home-relative path of this machine (a string such as "/data/x")."""
-    return isinstance(value, str) and len(value) > 1 and (
-        os.path.isabs(value) or value.startswith("~")
+    return (
+        isinstance(value, str)
+        and len(value) > 1
+        and (os.path.isabs(value) or value.startswith("~"))
     )
 
 
@@ -38,10 +41,10 @@ def private_paths(run) -> set[str]:
             found.add(os.path.expanduser(node).rstrip("/") or node)
 
     walk(OmegaConf.to_container(run.cfg, resolve=False, throw_on_missing=False))
-    try:
+    # Resolved too, where the saved config still holds interpolations; one this machine
+    # cannot resolve (an environment variable of the run machine) is no path of its own.
+    with contextlib.suppress(Exception):
         walk(OmegaConf.to_container(run.cfg, resolve=True, throw_on_missing=False))
-    except Exception:  # noqa: BLE001 (an interpolation the saved config cannot resolve here)
-        pass
     for name in ("CALM_LIGHTNING_CACHE", "HF_HOME", "HF_HUB_CACHE"):
         if os.environ.get(name):
             found.add(os.environ[name].rstrip("/"))

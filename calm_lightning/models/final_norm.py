@@ -48,7 +48,7 @@ def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def norm_form(model: torch.nn.Module) -> str | None:
-    """"weight" or "one_plus_weight" for an architecture of NORM_FORMS, else None."""
+    """ "weight" or "one_plus_weight" for an architecture of NORM_FORMS, else None."""
     return next((NORM_FORMS[t] for t in model_types(model) if t in NORM_FORMS), None)
 
 
