@@ -524,6 +524,9 @@ args = json.loads(sys.argv[1])
 model = AutoModelForCausalLM.from_pretrained(
     args["folder"], trust_remote_code=args["remote"], dtype=torch.float32
 ).eval()
+if args.get("adapter"):  # a merge=false folder, as its model card loads it
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(model, args["folder"] + "/adapter").eval()
 ids = torch.tensor(args["ids"])
 steps = args["steps"]
 with torch.no_grad():
@@ -541,10 +544,11 @@ PROBE_IDS = [[5, 17, 300, 41, 9, 1200], [88, 7, 7, 2301, 15, 4]]
 STEPS = 4
 
 
-def _without_project(folder: Path, remote: bool, tmp_path: Path) -> dict:
+def _without_project(folder: Path, remote: bool, tmp_path: Path, adapter: bool = False) -> dict:
     env = _env()
     env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")  # custom code copied here
     args = {"folder": str(folder), "remote": remote, "ids": PROBE_IDS, "steps": STEPS}
+    args["adapter"] = adapter
     done = subprocess.run(
         [sys.executable, "-c", NO_PROJECT, json.dumps(args)],
         capture_output=True,
@@ -770,6 +774,13 @@ def test_a_calm_export_carries_its_head_as_custom_code(calm_run, exported, tmp_p
     np.testing.assert_allclose(np.array(remote["probs"]), expected.numpy(), atol=1e-4)
     assert remote["greedy"] == _greedy(logits_fn, PROBE_IDS[0], STEPS, eos)
     assert remote["beam"] == _beam_search(logits_fn, PROBE_IDS[0], STEPS, 3, eos)
+    # merge=false: the card's snippet, trust_remote_code and the adapter on top, is the same.
+    unmerged = _without_project(exported["unmerged"], remote=True, tmp_path=tmp_path, adapter=True)
+    np.testing.assert_allclose(np.array(unmerged["probs"]), expected.numpy(), atol=1e-4)
+    assert unmerged["greedy"] == remote["greedy"]
+    card = (exported["unmerged"] / "README.md").read_text()
+    remote_block = card.split("trust_remote_code=True)\n", 1)[1].split("```", 1)[0]
+    assert 'PeftModel.from_pretrained(model, f"{folder}/adapter")' in remote_block
     # Without trust_remote_code: the base architecture's checkpoint, the uncalibrated model.
     uncalibrated = _without_project(folder, remote=False, tmp_path=tmp_path)
     assert uncalibrated["class"] == "LlamaForCausalLM"

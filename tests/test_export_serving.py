@@ -198,3 +198,62 @@ def test_a_daca_run_from_a_local_path_exports_no_path_and_its_logit_scale(
     with pytest.raises(ConfigError, match="already carry logit_scale=4.0"):
         load_language_model(again)
     assert load_language_model({**again, "logit_scale": 1.0}).model is not None
+
+
+SMALL = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize(
+    "model_type", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma3_text"]
+)
+def test_a_temperature_folds_into_each_listed_architectures_final_norm(model_type):
+    """Random small models of each NORM_FORMS family (Gemma's (1 + w) norm included): the fold
+    gives softmax(z / T) to 1e-5 and leaves the tied embedding one tensor, unchanged."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from calm_lightning.exported.folding import fold_head, fold_target
+    from calm_lightning.models.logit_adjustment import LogitAdjustment
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **SMALL)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # away from the init (Gemma's w = 0, Llama's w = 1) and confident
+        model.model.norm.weight.add_(torch.rand_like(model.model.norm.weight))
+        model.get_input_embeddings().weight.mul_(20.0)
+    ids = torch.tensor(PROBE_IDS) % SMALL["vocab_size"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    head = LogitAdjustment(SMALL["vocab_size"], kind="scalar")
+    with torch.no_grad():
+        head.scale.fill_(1.0 / TEMPERATURE)
+    assert fold_target(head, model, adapted_output=False) == ("final_norm", None)
+    fold_head(model, head, ids)
+    with torch.no_grad():
+        folded = torch.softmax(model(input_ids=ids).logits, dim=-1)
+    torch.testing.assert_close(folded, torch.softmax(logits / TEMPERATURE, -1), atol=1e-5, rtol=0)
+    assert (torch.softmax(logits, -1) - folded).abs().max() > 1e-3
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    torch.testing.assert_close(model.get_input_embeddings().weight, embedding, atol=0, rtol=0)
+
+
+def test_a_soft_capped_gemma_2_is_not_folded():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from calm_lightning.exported.folding import fold_obstacle
+    from calm_lightning.models.logit_adjustment import LogitAdjustment
+
+    config = AutoConfig.for_model("gemma2", **SMALL)
+    assert config.final_logit_softcapping  # 30.0: tanh after the output layer
+    model = AutoModelForCausalLM.from_config(config)
+    head = LogitAdjustment(SMALL["vocab_size"], kind="scalar")
+    assert "final_logit_softcapping" in fold_obstacle(head, model, adapted_output=False)
