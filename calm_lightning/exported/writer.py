@@ -1,6 +1,6 @@
 """Writing a finished run's calibrated model as a Hugging Face model folder
 (`python -m calm_lightning.export`, docs/export.md): weights (merged, or base + adapter/; the
-head folded into the output layer or shipped as custom code), tokenizer, the portable code,
+head folded into the weights or shipped as custom code), tokenizer, the portable code,
 calibration.json and the model card, staged in a hidden folder and renamed into place."""
 
 from __future__ import annotations
