@@ -140,15 +140,20 @@ def _title(run, info: dict) -> str:
 def _weights(info: dict) -> str:
     """What the weights are, against the base model's."""
     weights = info["weights"]
-    folded = info["serving"].get("folded_into")
+    scale = weights.get("logit_scale", 1.0)
+    changed = {
+        "final_norm": " except the final norm's weight, which carries the calibration (below).",
+        "output_layer": " except the output layer, which carries the calibration (below).",
+        None: " except the final norm's weight (the logit scale below)."
+        if scale != 1.0
+        else ", unchanged.",
+    }[info["serving"].get("folded_into")]
     text = {
-        None: "The weights are the base model's"
-        + (", the calibration folded in (below)." if folded else ", unchanged."),
+        None: "The weights are the base model's" + changed,
         "merged": "The method's LoRA adapters are merged into the weights.",
         "adapter": "The weights are the base model's; the method's LoRA adapter is in "
         "`adapter/` (load it with PEFT, below).",
     }[weights["adapter"]]
-    scale = weights.get("logit_scale", 1.0)
     if scale != 1.0:
         text += (
             f" **Logit scale {scale:g}:** the run multiplied every logit by k = {scale:g} "
