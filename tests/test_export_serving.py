@@ -103,6 +103,7 @@ def test_a_folded_export_as_gguf_reads_back_calibrated(tmp_path, compose):
 
 
 def test_the_export_refuses_a_folder_holding_a_local_path(tmp_path):
+    from calm_lightning.exported.model_card import _without_paths
     from calm_lightning.exported.private_paths import check_no_private_path, public_block
 
     folder = tmp_path / "out"
@@ -126,6 +127,10 @@ def test_the_export_refuses_a_folder_holding_a_local_path(tmp_path):
             "cache_dir": "<local path>",
             "lr": 0.05,
         }
+    }
+    summary = {"test": {"source": "/data/mmlu/test.jsonl", "files": ["/data/a.json"], "n": 3}}
+    assert _without_paths(summary) == {
+        "test": {"source": "test.jsonl", "files": ["a.json"], "n": 3}
     }
 
 

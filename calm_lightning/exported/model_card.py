@@ -357,11 +357,13 @@ def _data(run) -> str:
 
 def _without_paths(node):
     """The data summary with each file reduced to its name: no local directory leaves."""
+    from calm_lightning.exported.private_paths import is_local_path
+
     if isinstance(node, dict):
         return {k: (_names(v) if k == "files" else _without_paths(v)) for k, v in node.items()}
     if isinstance(node, list):
         return [_without_paths(v) for v in node]
-    return node
+    return Path(node).name if is_local_path(node) else node
 
 
 def _names(files):
