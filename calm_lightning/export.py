@@ -2,14 +2,15 @@
 [overwrite=false] [dtype=auto]`: a finished run's calibrated model as a standard Hugging Face
 model folder.
 
-The calibration travels with the weights. Where it is exact (a scalar head, as post-hoc
-temperature scaling, DACA and Dual-Align learn; a vector head without a per-token bias), the
-head is folded into the output layer (`fold=auto`, the default): the folder is an ordinary
-checkpoint that every server reproduces. Other heads (the paper's CALM) travel as transformers
-custom code: `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)` applies the
-head in `forward`; without `trust_remote_code` the folder loads as the uncalibrated model, and
-`CalibrationLogitsProcessor` (also in the folder) applies the head in `generate`. A
-calibration.json says what was done; docs/export.md describes the folder.
+The calibration travels with the weights. Where it is exact and servers read it, the head is
+folded in (`fold=auto`, the default): a scalar head (post-hoc temperature scaling, DACA,
+Dual-Align) into the final norm's weight, tied embeddings untouched; a per-token scale into an
+untied output layer. The folder is then an ordinary checkpoint of the base architecture
+(docs/export.md lists which servers were checked). Other heads (the paper's CALM) travel as
+transformers custom code: `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`
+applies the head in `forward`; without `trust_remote_code` the folder loads as the
+uncalibrated model, and `CalibrationLogitsProcessor` (also in the folder) applies the head in
+`generate`. A calibration.json says what was done; docs/export.md describes the folder.
 
 The arguments are a handful of scalars, parsed here as key=value (the same look as a run's
 command line) rather than through Hydra: there is nothing to compose, and a Hydra app would
@@ -39,7 +40,7 @@ class ExportOptions:
     run_dir: Path
     out: Path
     merge: bool = True  # merge LoRA adapters into the weights; false: base + PEFT adapter folder
-    fold: str = "auto"  # fold the head into the output layer: auto = where exact; false = never
+    fold: str = "auto"  # fold the head into the weights: auto = where exact; false = never
     overwrite: bool = False  # replace an existing `out`
     dtype: str = "auto"  # weights' dtype; auto = the run's (a 16-bit copy after 4-bit QLoRA)
 

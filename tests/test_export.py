@@ -336,6 +336,7 @@ def test_adapter_only_method_exports_without_head_and_in_another_dtype(calm_run,
         "adapter": "merged",
         "dtype": "bfloat16",
         "trained_on_4bit_base": False,
+        "logit_scale": 1.0,
     }
     assert not (folder / "logit_adjustment.safetensors").exists()
     processor = CalibrationLogitsProcessor.from_pretrained(folder)
@@ -523,6 +524,9 @@ args = json.loads(sys.argv[1])
 model = AutoModelForCausalLM.from_pretrained(
     args["folder"], trust_remote_code=args["remote"], dtype=torch.float32
 ).eval()
+if args.get("adapter"):  # a merge=false folder, as its model card loads it
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(model, args["folder"] + "/adapter").eval()
 ids = torch.tensor(args["ids"])
 steps = args["steps"]
 with torch.no_grad():
@@ -540,10 +544,11 @@ PROBE_IDS = [[5, 17, 300, 41, 9, 1200], [88, 7, 7, 2301, 15, 4]]
 STEPS = 4
 
 
-def _without_project(folder: Path, remote: bool, tmp_path: Path) -> dict:
+def _without_project(folder: Path, remote: bool, tmp_path: Path, adapter: bool = False) -> dict:
     env = _env()
     env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")  # custom code copied here
     args = {"folder": str(folder), "remote": remote, "ids": PROBE_IDS, "steps": STEPS}
+    args["adapter"] = adapter
     done = subprocess.run(
         [sys.executable, "-c", NO_PROJECT, json.dumps(args)],
         capture_output=True,
@@ -597,8 +602,9 @@ def _project_logits(calibrated):
 
 @pytest.mark.integration
 def test_a_temperature_run_folds_into_the_weights_and_serves_without_the_project(ts_run, tmp_path):
-    """Must-show: a folded TS export, loaded by plain AutoModelForCausalLM where `import
-    calm_lightning` fails, gives the calibrated next-token distribution (base / T)."""
+    """Must-show: a folded TS export of the tiny (tied) model keeps its embeddings tied, and
+    plain AutoModelForCausalLM, where `import calm_lightning` fails, gives the calibrated
+    next-token distribution (base / T) to 1e-5 in fp32."""
     from safetensors.torch import load_file
 
     from calm_lightning import CalibrationLogitsProcessor, load_calibrated
@@ -611,8 +617,9 @@ def test_a_temperature_run_folds_into_the_weights_and_serves_without_the_project
     assert info["serving"]["calibration"] == "folded" and not info["serving"]["trust_remote_code"]
     assert info["serving"]["max_probability_error"] < 1e-5
     assert info["head"]["file"] is None and not (folder / "logit_adjustment.safetensors").exists()
+    assert info["serving"]["folded_into"] == "final_norm"
     config = json.loads((folder / "config.json").read_text())
-    assert config["tie_word_embeddings"] is False and "auto_map" not in config
+    assert config["tie_word_embeddings"] is True and "auto_map" not in config
     assert not (folder / "modeling_calibrated.py").exists()
 
     base = load_language_model(cfg.model).model.eval()
@@ -622,15 +629,16 @@ def test_a_temperature_run_folds_into_the_weights_and_serves_without_the_project
     result = _without_project(folder, remote=False, tmp_path=tmp_path)
     assert result["class"] == "LlamaForCausalLM"
     probs = torch.tensor(result["probs"])
-    torch.testing.assert_close(probs, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(probs, expected, atol=1e-5, rtol=0)
     # Teeth: the temperature moved these probabilities well beyond the tolerance.
     with torch.no_grad():
         untouched = torch.softmax(base(input_ids=ids).logits[:, -1], dim=-1)
     assert (untouched - expected).abs().max() > 1e-2
-    # Untied: the input embedding is the base's, only the output layer carries 1 / T.
+    # Still tied: one embedding, the base's; only the final norm carries 1 / T.
     weights = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in weights
     torch.testing.assert_close(weights["model.embed_tokens.weight"], base.model.embed_tokens.weight)
-    torch.testing.assert_close(weights["lm_head.weight"], base.lm_head.weight / temperature)
+    torch.testing.assert_close(weights["model.norm.weight"], base.model.norm.weight / temperature)
     # The project's readers apply nothing on top.
     assert CalibrationLogitsProcessor.from_pretrained(folder).head is None
     records = [json.loads(line) for line in (run_dir / "predictions.jsonl").open()][:4]
@@ -665,9 +673,24 @@ def test_a_folded_export_evaluates_as_a_base_model(ts_run, tmp_path, compose):
     np.testing.assert_allclose(_predictions(tmp_path / "served"), _predictions(run_dir), atol=1e-5)
 
 
+def _untied(model):
+    """`model` with an output layer of its own (a copy of the tied embedding)."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.tie_word_embeddings = False
+    untied = AutoModelForCausalLM.from_config(config).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = model.get_input_embeddings().weight.detach().clone()
+    untied.load_state_dict(state)
+    return untied
+
+
 def test_fold_head_is_exact_where_it_folds_and_refuses_where_it_cannot(compose):
-    """Each foldable head kind against head(logits) computed by hand; the others refused."""
-    from calm_lightning.exported.folding import fold_head, fold_obstacle
+    """Each foldable head kind against head(logits) computed by hand: scalar heads into the
+    final norm (the tied embedding untouched), vector heads into an untied output layer only;
+    the others refused with the reason."""
+    from calm_lightning.exported.folding import fold_head, fold_obstacle, fold_target
     from calm_lightning.models.loading import load_language_model
     from calm_lightning.models.logit_adjustment import LogitAdjustment
 
@@ -677,6 +700,9 @@ def test_fold_head_is_exact_where_it_folds_and_refuses_where_it_cannot(compose):
     cases = [("scalar", "none"), ("scalar", "logsumexp"), ("vector", "none"), ("vector", "mean")]
     for kind, center in cases:
         model = load_language_model(cfg.model).model.eval()
+        if kind == "vector":
+            model = _untied(model)
+        embedding = model.model.embed_tokens.weight.detach().clone()
         head = LogitAdjustment(model.config.vocab_size, kind=kind, center=center)
         with torch.no_grad():
             head.scale.copy_(0.3 + torch.rand(head.scale.shape, generator=generator))
@@ -685,23 +711,33 @@ def test_fold_head_is_exact_where_it_folds_and_refuses_where_it_cannot(compose):
             logits = model(input_ids=ids).logits
             z = logits - (logits.mean(-1, keepdim=True) if center == "mean" else 0)
             expected = torch.softmax(head.scale * z + 0.7, dim=-1)
-        assert fold_obstacle(head, model, adapted_output=False) is None
+        target = "final_norm" if kind == "scalar" else "output_layer"
+        assert fold_target(head, model, adapted_output=False) == (target, None)
         error = fold_head(model, head, ids)
         with torch.no_grad():
             folded = torch.softmax(model(input_ids=ids).logits, dim=-1)
         torch.testing.assert_close(folded, expected, atol=1e-5, rtol=0)
         assert error < 1e-5
         assert (torch.softmax(logits, -1) - expected).abs().max() > 1e-3
-        assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+        torch.testing.assert_close(model.model.embed_tokens.weight, embedding, atol=0, rtol=0)
+        if kind == "scalar":  # still tied: one tensor, the embedding as it was
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     model = load_language_model(cfg.model).model
     vector = LogitAdjustment(model.config.vocab_size, kind="vector", center="none")
+    assert "tie_word_embeddings" in fold_obstacle(vector, model, adapted_output=False)
+    assert "adapter" in fold_obstacle(vector, _untied(model), adapted_output=True)
     with torch.no_grad():
         vector.bias[3] = 1.0
     assert "per-token bias" in fold_obstacle(vector, model, adapted_output=False)
     centred = LogitAdjustment(model.config.vocab_size, kind="vector", center="logsumexp")
     assert "logsumexp" in fold_obstacle(centred, model, adapted_output=False)
     scalar = LogitAdjustment(model.config.vocab_size, kind="scalar")
-    assert "adapter" in fold_obstacle(scalar, model, adapted_output=True)
+    assert fold_obstacle(scalar, model, adapted_output=True) is None  # the norm is not adapted
+    model.config.final_logit_softcapping = 30.0
+    assert "final_logit_softcapping" in fold_obstacle(scalar, model, adapted_output=False)
+    model.config.final_logit_softcapping = None
+    model.config.model_type = "olmo"
+    assert "NORM_FORMS" in fold_obstacle(scalar, model, adapted_output=False)
 
 
 @pytest.mark.integration
@@ -738,6 +774,13 @@ def test_a_calm_export_carries_its_head_as_custom_code(calm_run, exported, tmp_p
     np.testing.assert_allclose(np.array(remote["probs"]), expected.numpy(), atol=1e-4)
     assert remote["greedy"] == _greedy(logits_fn, PROBE_IDS[0], STEPS, eos)
     assert remote["beam"] == _beam_search(logits_fn, PROBE_IDS[0], STEPS, 3, eos)
+    # merge=false: the card's snippet, trust_remote_code and the adapter on top, is the same.
+    unmerged = _without_project(exported["unmerged"], remote=True, tmp_path=tmp_path, adapter=True)
+    np.testing.assert_allclose(np.array(unmerged["probs"]), expected.numpy(), atol=1e-4)
+    assert unmerged["greedy"] == remote["greedy"]
+    card = (exported["unmerged"] / "README.md").read_text()
+    remote_block = card.split("trust_remote_code=True)\n", 1)[1].split("```", 1)[0]
+    assert 'PeftModel.from_pretrained(model, f"{folder}/adapter")' in remote_block
     # Without trust_remote_code: the base architecture's checkpoint, the uncalibrated model.
     uncalibrated = _without_project(folder, remote=False, tmp_path=tmp_path)
     assert uncalibrated["class"] == "LlamaForCausalLM"
@@ -760,16 +803,22 @@ def test_the_processor_is_exact_under_beam_search_or_refuses(calm_run, exported,
     eos = eos[0] if isinstance(eos, list) else eos
     options = {"do_sample": False, "num_beams": 3, "max_new_tokens": STEPS}
     options["min_new_tokens"] = STEPS
-    refusing = LogitsProcessorList([CalibrationLogitsProcessor.from_pretrained(folder)])
+    refusing = LogitsProcessorList(
+        [CalibrationLogitsProcessor.from_pretrained(folder, scores="log_probs")]
+    )
     with pytest.raises(ValueError, match="trust_remote_code=True"):
         model.generate(ids, logits_processor=refusing, **options)
+    # Built for logits (the default) and handed beam search's log-probabilities: it says so.
+    for_logits = LogitsProcessorList([CalibrationLogitsProcessor.from_pretrained(folder)])
+    with pytest.raises(ValueError, match='scores="log_probs"'):
+        model.generate(ids, logits_processor=for_logits, **options)
 
     head = LogitAdjustment(model.config.vocab_size, kind="vector", center="logsumexp")
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         head.scale.copy_(0.2 + 1.5 * torch.rand(head.vocab_size, generator=generator))
         head.bias.copy_(torch.randn(head.vocab_size, generator=generator))
-    processors = LogitsProcessorList([CalibrationLogitsProcessor(head)])
+    processors = LogitsProcessorList([CalibrationLogitsProcessor(head, scores="log_probs")])
     with torch.no_grad():
         out = model.generate(ids, logits_processor=processors, **options)[0].tolist()
         plain = model.generate(ids, **options)[0].tolist()

@@ -68,10 +68,12 @@ class CalibratedHFLM(HFLM):
         # The processor freezes the head it is given (meant for exported models); a head
         # borrowed from a live method gets its training flags back afterwards.
         flags = [(p, p.requires_grad) for p in head.parameters()]
+        beams = int(generation_kwargs.get("num_beams") or 1) > 1  # beams hand over log-probs
+        scores = "log_probs" if beams else "logits"
         was_training = head.training
         processors = LogitsProcessorList(
             [
-                CalibrationLogitsProcessor(head),
+                CalibrationLogitsProcessor(head, scores=scores),
                 *(generation_kwargs.pop("logits_processor", None) or []),
             ]
         )

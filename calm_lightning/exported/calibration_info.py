@@ -74,6 +74,8 @@ def calibration_info(
             "adapter": None if run.adapter_dir is None else ("merged" if merged else ADAPTER_DIR),
             "dtype": dtype,
             "trained_on_4bit_base": run.base_4bit,
+            # model.logit_scale: the run's final norm x k, in these weights too
+            "logit_scale": float(run.cfg.model.get("logit_scale", 1.0)),
         },
         "base_model": run.base_model_id,
         "option_tokens": option_tokens,
@@ -98,8 +100,10 @@ def _serving_info(serving: dict | None, head) -> dict:
         return {
             **serving,
             "trust_remote_code": False,
-            "note": "the head is folded into the output layer: any server loading this "
-            "checkpoint serves the calibrated distribution; do not apply the head again",
+            "note": f"the head is folded into the {serving['folded_into'].replace('_', ' ')}'s "
+            "weight: a server loading this checkpoint as the base architecture serves the "
+            "calibrated distribution (docs/export.md lists which were checked); do not apply "
+            "the head again",
         }
     return {
         **serving,

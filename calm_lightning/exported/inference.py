@@ -67,7 +67,8 @@ class CalibratedModel:
 
         `chat=True` wraps `prompt` as one user turn in the chat template (as evaluation does);
         `chat=False` continues the text as it is. Keyword arguments go to `model.generate`
-        (`max_new_tokens` defaults to 64); the calibration head is the first logits processor.
+        (`max_new_tokens` defaults to 64); the calibration head is the first logits processor
+        (told it is handed log-probabilities when `num_beams` > 1).
         """
         from transformers import LogitsProcessorList
 
@@ -76,8 +77,11 @@ class CalibratedModel:
         encoded = {k: v.to(self.device) for k, v in encoded.items()}
         generate_kwargs.setdefault("max_new_tokens", 64)
         generate_kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        processor = self.processor
+        if int(generate_kwargs.get("num_beams") or 1) > 1:  # beam search: log-probabilities
+            processor = CalibrationLogitsProcessor(processor.head, scores="log_probs")
         processors = LogitsProcessorList(
-            [self.processor, *(generate_kwargs.pop("logits_processor", None) or [])]
+            [processor, *(generate_kwargs.pop("logits_processor", None) or [])]
         )
         out = self.model.generate(**encoded, logits_processor=processors, **generate_kwargs)
         new = out[0, encoded["input_ids"].shape[1] :]

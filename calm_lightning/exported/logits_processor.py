@@ -23,8 +23,12 @@ from calm_lightning.models.logit_adjustment import HEAD_FILE, LogitAdjustment
 CALIBRATION_FILE = "calibration.json"  # what the calibration is: formula, method, prompt format
 
 
-# A row of scores whose logsumexp is <= this is taken as log-probabilities (beam search hands
-# processors log_softmax(z)); raw logits of a language model have logsumexp well above 0.
+# What the processor is given: "logits" (greedy decoding and sampling hand processors the
+# model's logits) or "log_probs" (beam search hands them log_softmax(z)).
+SCORES = ("logits", "log_probs")
+# Told "logits" but handed rows whose logsumexp are all within this of 0: log-probabilities
+# (raw logits of a language model sit far above 0), so the processor stops instead of
+# calibrating the wrong thing. A guard only: what the scores are is never guessed.
 LOG_PROB_TOLERANCE = 1e-4
 
 
@@ -52,33 +56,39 @@ class CalibrationLogitsProcessor(LogitsProcessor):
     top-p), so `temperature=t` samples from softmax(z' / t) as the project's sampler does.
 
     Beam search hands processors log_softmax(z), not z, and adds what they return to the
-    beams' running scores. A scalar head, a head centred on logsumexp, or one centred on the
-    mean when no earlier processor masked tokens, gives the same distribution from
-    log-probabilities as from logits; the processor then returns the
+    beams' running scores: pass `scores="log_probs"` there (the default `"logits"` is what
+    greedy decoding and sampling hand over). A scalar head, a head centred on logsumexp, or
+    one centred on the mean when no earlier processor masked tokens, gives the same
+    distribution from log-probabilities as from logits; the processor then returns the
     calibrated log-probabilities, so the beams accumulate exactly the calibrated sequence
     log-probability. A vector head without centering does not (d * (z - lse z) + l is not
     d * z + l up to a constant): there it refuses with a message instead of searching the
-    wrong distribution.
+    wrong distribution. Told `"logits"` but handed rows that are all normalised, it stops
+    with a message rather than calibrating log-probabilities as if they were logits.
     """
 
-    def __init__(self, head: LogitAdjustment | None) -> None:
+    def __init__(self, head: LogitAdjustment | None, scores: str = "logits") -> None:
+        if scores not in SCORES:
+            raise ValueError(f"scores={scores!r} is not one of {', '.join(SCORES)}")
         self.head = None if head is None else head.eval().requires_grad_(False)
+        self.scores = scores
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | Path, revision: str | None = None
+        cls, name_or_path: str | Path, revision: str | None = None, scores: str = "logits"
     ) -> CalibrationLogitsProcessor:
         """The processor of an exported folder, a local path or a Hub id (its calibration
-        head, or the identity where the weights carry the calibration)."""
+        head, or the identity where the weights carry the calibration); `scores`: what
+        `generate` hands it, "logits" (greedy, sampling) or "log_probs" (beam search)."""
         folder = Path(name_or_path)
         if not folder.is_dir():
             folder = _download(str(name_or_path), revision)
         info = read_calibration(folder)
         if info.get("head") is None or info["head"].get("file", HEAD_FILE) is None:
-            return cls(None)  # no head, or one folded into the output layer's weights
+            return cls(None, scores)  # no head, or one folded into the weights
         if info["head"].get("file", HEAD_FILE) != HEAD_FILE:
             raise ValueError(f"{folder}: the head file must be named {HEAD_FILE}")
-        return cls(LogitAdjustment.load(folder))
+        return cls(LogitAdjustment.load(folder), scores)
 
     @property
     def temperature(self) -> float | None:
@@ -106,7 +116,13 @@ class CalibrationLogitsProcessor(LogitsProcessor):
         if self.head.scale.device != scores.device:
             self.head.to(scores.device)
         finite = torch.isfinite(scores)
-        if not bool((torch.logsumexp(scores.float(), dim=-1) <= LOG_PROB_TOLERANCE).all()):
+        if self.scores == "logits":
+            if bool((torch.logsumexp(scores.float(), dim=-1).abs() <= LOG_PROB_TOLERANCE).all()):
+                raise ValueError(
+                    "these scores are normalised log-probabilities (beam search passes "
+                    "log_softmax(z) to logits processors), but this processor was built for "
+                    'logits: build it with scores="log_probs" for beam search'
+                )
             return self._adjust(scores, finite)
         obstacle = self.log_prob_obstacle(masked=not bool(finite.all()))
         if obstacle is not None:
@@ -145,7 +161,7 @@ class CalibrationLogitsProcessor(LogitsProcessor):
         return adjusted.masked_fill(~finite, float("-inf"))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.head!r})"
+        return f"{type(self).__name__}({self.head!r}, scores={self.scores!r})"
 
 
 def _download(repo_id: str, revision: str | None) -> Path:

@@ -128,19 +128,41 @@ def _model_index(run, info: dict) -> dict:
 
 def _title(run, info: dict) -> str:
     base = run.base_model_id or run.cfg.model.name
-    weights = {
-        None: "The weights are the base model's, unchanged.",
-        "merged": "The method's LoRA adapters are merged into the weights.",
-        "adapter": "The weights are the base model's; the method's LoRA adapter is in "
-        "`adapter/` (load it with PEFT, below).",
-    }[info["weights"]["adapter"]]
     return (
         f"# {base}, calibrated with `{run.method}`\n\n"
         f"Exported by `python -m calm_lightning.export` from a calm-lightning run "
         f"(model `{run.cfg.model.name}`, method `{run.method}`, setting "
-        f"`{run.cfg.setting.name}`, seed {run.cfg.get('seed')}). {weights} "
+        f"`{run.cfg.setting.name}`, seed {run.cfg.get('seed')}). {_weights(info)} "
         f"Weights are stored in {info['weights']['dtype']}.{_qlora_note(info)}\n"
     )
+
+
+def _weights(info: dict) -> str:
+    """What the weights are, against the base model's."""
+    weights = info["weights"]
+    scale = weights.get("logit_scale", 1.0)
+    changed = {
+        "final_norm": " except the final norm's weight, which carries the calibration (below).",
+        "output_layer": " except the output layer, which carries the calibration (below).",
+        None: " except the final norm's weight (the logit scale below)."
+        if scale != 1.0
+        else ", unchanged.",
+    }[info["serving"].get("folded_into")]
+    text = {
+        None: "The weights are the base model's" + changed,
+        "merged": "The method's LoRA adapters are merged into the weights.",
+        "adapter": "The weights are the base model's; the method's LoRA adapter is in "
+        "`adapter/` (load it with PEFT, below).",
+    }[weights["adapter"]]
+    if scale != 1.0:
+        text += (
+            f" **Logit scale {scale:g}:** the run multiplied every logit by k = {scale:g} "
+            "(`model.logit_scale`, a deliberately over-confident model, through the final "
+            "norm's weight), and these weights carry that factor too (`calibration.json`: "
+            "`weights.logit_scale`); calm-lightning refuses to load them with "
+            "`model.logit_scale` again."
+        )
+    return text
 
 
 def _qlora_note(info: dict) -> str:
@@ -162,12 +184,8 @@ def _serving(info: dict) -> str:
             "server that loads this checkpoint serves the calibrated model."
         )
     elif mode == "folded":
-        text = (
-            "**The calibration head is folded into the output layer** (exact for this head): "
-            "this is an ordinary checkpoint of the base architecture, and any server that loads "
-            "it (transformers, vLLM, TGI, lm-eval, llama.cpp after conversion) serves the "
-            "calibrated distribution, prompt log-probabilities included. Do not apply a "
-            "calibration on top."
+        text = FOLDED_NOTES[info["serving"]["folded_into"]] + (
+            " Prompt log-probabilities are calibrated too. Do not apply a calibration on top."
         )
     else:
         serving = info["serving"]
@@ -176,10 +194,32 @@ def _serving(info: dict) -> str:
             f"the weights ({serving['why_not_folded']}); `{serving['modeling_file']}` "
             "applies it in `forward`, so `generate` (greedy, sampling, beam search), pipelines "
             "and lm-eval's `hf` model see calibrated logits. **Loaded without it** (plain "
-            "transformers, vLLM, TGI, llama.cpp) **this is the uncalibrated fine-tuned model**; "
-            f"then apply `{serving['processor_file']}` in `generate` (never both)."
+            "transformers; TGI, which runs no custom code for this architecture) **this is the "
+            "uncalibrated model**; with plain transformers apply "
+            f"`{serving['processor_file']}` in `generate` instead (never both). vLLM refuses "
+            "the head's tensors and llama.cpp's GGUF converter stops at them: no server path "
+            "serves this head calibrated."
         )
     return "## Serving\n\n" + text + "\n"
+
+
+# The serving note of a folded head, by where it was folded (folding.py). Which servers read
+# which tensor, and how each claim was checked: docs/export.md, "Which servers serve it".
+FOLDED_NOTES = {
+    "final_norm": "**The calibration is folded into the final norm's weight** (a temperature T "
+    "divides every logit: the norm's gain is scaled by 1 / T; exact, and the input/output "
+    "embeddings stay as the base model has them). This is an ordinary checkpoint of the base "
+    "architecture: transformers (`AutoModelForCausalLM`, `pipeline`) and lm-eval's `hf` model "
+    "serve the calibrated distribution, and vLLM, TGI and llama.cpp's GGUF converter read the "
+    "final norm's weight as any other. One side effect: the last entry of "
+    "`output_hidden_states` is divided by T as well.",
+    "output_layer": "**The calibration is folded into the output layer** (`lm_head.weight`, "
+    "row y scaled by d_y; exact for this head, and this model's output layer is its own, not "
+    "the input embedding). This is an ordinary checkpoint of the base architecture: "
+    "transformers (`AutoModelForCausalLM`, `pipeline`) and lm-eval's `hf` model serve the "
+    "calibrated distribution, and vLLM, TGI and llama.cpp's GGUF converter read an untied "
+    "`lm_head.weight` of this architecture.",
+}
 
 
 def _usage(info: dict) -> str:
@@ -206,6 +246,7 @@ def _usage(info: dict) -> str:
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         'folder = "path/to/this/folder"  # or its Hub id\n'
         "model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)\n"
+        f"{adapter}"
         "```\n\n"
         "Or without custom code: the calibration as a logits processor (torch and transformers "
         "only), applied to the next-token scores before sampling.\n\n"
@@ -316,11 +357,13 @@ def _data(run) -> str:
 
 def _without_paths(node):
     """The data summary with each file reduced to its name: no local directory leaves."""
+    from calm_lightning.exported.private_paths import is_local_path
+
     if isinstance(node, dict):
         return {k: (_names(v) if k == "files" else _without_paths(v)) for k, v in node.items()}
     if isinstance(node, list):
         return [_without_paths(v) for v in node]
-    return node
+    return Path(node).name if is_local_path(node) else node
 
 
 def _names(files):
@@ -330,13 +373,17 @@ def _names(files):
 
 
 def _hyper_parameters(run) -> str:
+    from calm_lightning.exported.private_paths import public_block
+
     blocks = {"method": run.cfg.method}
     if run.adapter_dir is not None:
         blocks["peft"] = run.cfg.get("peft")
-    text = OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in blocks.items() if v is not None}))
+    kept = {k: OmegaConf.to_container(v, resolve=True) for k, v in blocks.items() if v is not None}
+    text = yaml.safe_dump(public_block(kept), sort_keys=False)
     return (
         "## Hyper-parameters\n\n"
-        "The run's `method` block (and `peft` for adapters), from its `config_resolved.yaml`:"
+        "The run's `method` block (and `peft` for adapters), from its `config_resolved.yaml` "
+        "(the models it names by their Hub id, local paths left out):"
         "\n\n```yaml\n" + text + "```\n"
     )
 

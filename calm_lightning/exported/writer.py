@@ -1,6 +1,6 @@
 """Writing a finished run's calibrated model as a Hugging Face model folder
 (`python -m calm_lightning.export`, docs/export.md): weights (merged, or base + adapter/; the
-head folded into the output layer or shipped as custom code), tokenizer, the portable code,
+head folded into the weights or shipped as custom code), tokenizer, the portable code,
 calibration.json and the model card, staged in a hidden folder and renamed into place."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from calm_lightning.exported.folding import (
     place_head,
 )
 from calm_lightning.exported.logits_processor import CALIBRATION_FILE
+from calm_lightning.exported.private_paths import check_no_private_path, private_paths
 from calm_lightning.exported.saved_run import (
     RunToExport,
     inspect_run,
@@ -116,7 +117,7 @@ def write_folder(
     serving = None
     if head is not None:
         serving = place_head(model, head, fold, adapted_output=adapts_output(adapter, merge))
-    _save_model(model, folder)
+    _save_model(model, folder, run.base_model_id or str(run.cfg.model.name))
     if adapter is not None and not merge:
         _copy_adapter(adapter, folder / ADAPTER_DIR, run.base_model_id)
     tokenizer.save_pretrained(folder)
@@ -130,6 +131,7 @@ def write_folder(
     from calm_lightning.exported.model_card import write_model_card
 
     write_model_card(run, folder, info)
+    check_no_private_path(folder, private_paths(run))
 
 
 def portable_source(module) -> str:
@@ -183,7 +185,7 @@ def _check_head(run: RunToExport, model):
     return head
 
 
-def _save_model(model, folder: Path) -> None:
+def _save_model(model, folder: Path, public_name: str) -> None:
     from calm_lightning.models.embedded import strip_gguf_quantizer
 
     quantizer = getattr(model, "hf_quantizer", None)
@@ -193,6 +195,9 @@ def _save_model(model, folder: Path) -> None:
         # save_pretrained refuse; the embedded model's conversion clears it the same way.
         strip_gguf_quantizer(model)
     model.config.use_cache = True  # runs switch it off for training; generation wants it
+    # transformers before 5 writes `_name_or_path` (where the base was loaded from: a
+    # model.local_path folder, the embedded model's cache) into config.json.
+    model.config.name_or_path = public_name
     model.save_pretrained(folder)
 
 

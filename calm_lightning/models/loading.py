@@ -173,6 +173,7 @@ def load_language_model(model_cfg: DictConfig | dict) -> LoadedModel:
             raise ModelUnavailableError(
                 f"model.local_path={location!r} is not a directory with a saved model."
             )
+        refuse_second_logit_scale(location, cfg.get("logit_scale", 1.0))
     elif source == "embedded":
         location, local_only = str(embedded.ensure_converted(cfg.get("cache_dir"))), True
     else:
@@ -184,32 +185,49 @@ def load_language_model(model_cfg: DictConfig | dict) -> LoadedModel:
     return LoadedModel(model, tokenizer, cfg.get("name", source), quantize, dtype)
 
 
+# An exported folder's record of its calibration (exported/logits_processor.py: CALIBRATION_FILE).
+EXPORT_RECORD = "calibration.json"
+
+
+def refuse_second_logit_scale(location: str, scale: float) -> None:
+    """Refuse `model.logit_scale=k` on an export whose weights already carry a logit scale:
+    k would multiply the logits a second time."""
+    record = os.path.join(location, EXPORT_RECORD)
+    if float(scale) == 1.0 or not os.path.isfile(record):
+        return
+    import json
+
+    with open(record) as handle:
+        carried = (json.load(handle).get("weights") or {}).get("logit_scale", 1.0)
+    if float(carried) != 1.0:
+        raise ConfigError(
+            f"model.logit_scale={scale}: model.local_path={location!r} is an export whose "
+            f"weights already carry logit_scale={carried} (its {EXPORT_RECORD}); scaling it "
+            "again would multiply every logit twice. Leave model.logit_scale at 1.0."
+        )
+
+
 def apply_logit_scale(model: torch.nn.Module, scale: float) -> None:
     """Multiply every output logit (and every logit-lens readout) by `scale`, in the weights.
 
     `model.logit_scale=k` makes a model k times over-confident: its exact temperature relative
-    to the unscaled weights is k. The final norm's weight is scaled (the unembedding may be tied
-    to the input embedding, so it cannot be scaled alone); because the change is in the weights,
-    training, scoring, sampling and export all see the same scaled model. Gemma's norm computes
-    x * (1 + w), so there w <- k (1 + w) - 1.
+    to the unscaled weights is k. The final norm's weight is scaled (models/final_norm.py: the
+    unembedding may be tied to the input embedding, so it cannot be scaled alone); because the
+    change is in the weights, training, scoring, sampling and export all see the same scaled
+    model. Gemma's norm computes x * (1 + w), so there w <- k (1 + w) - 1.
     """
+    from calm_lightning.models.final_norm import final_norm, guessed_norm_form, scale_final_norm
+
     check_model_value("logit_scale", scale)
     scale = float(scale)
     if scale == 1.0:
         return
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    norm = getattr(getattr(decoder, "language_model", decoder), "norm", None)
-    weight = getattr(norm, "weight", None)
-    if not isinstance(weight, torch.Tensor):
+    if final_norm(model) is None:
         raise ConfigError(
             f"model.logit_scale={scale} needs a final norm with a weight before the output "
             f"layer; {type(model).__name__} has none: leave model.logit_scale at 1.0"
         )
-    with torch.no_grad():
-        if "gemma" in type(norm).__name__.lower():
-            weight.copy_((1.0 + weight.float()) * scale - 1.0)
-        else:
-            weight.mul_(scale)
+    scale_final_norm(model, scale, guessed_norm_form(model))
 
 
 def _hub_offline() -> bool:
