@@ -182,6 +182,7 @@ def test_a_daca_run_from_a_local_path_exports_no_path_and_its_logit_scale(
     config = json.loads((folder / "config.json").read_text())
     assert config.get("_name_or_path", cfg.model.model_id) == cfg.model.model_id
     assert config["tie_word_embeddings"] is True
+    assert config["calm_lightning_logit_scale"] == 4.0  # travels with the weights (Hub too)
     info = json.loads((folder / "calibration.json").read_text())
     assert info["weights"]["logit_scale"] == 4.0
     assert info["serving"]["folded_into"] == "final_norm"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -188,3 +189,17 @@ def test_gradient_checkpointing_auto_follows_the_loaded_models_size(
     model = copy.deepcopy(tiny_loaded.model)
     wrap_with_lora(model, {"r": 4, "lora_alpha": 8, "gradient_checkpointing": value})
     assert model.is_gradient_checkpointing is expected
+
+
+def test_a_hub_export_carrying_a_logit_scale_refuses_a_second_one(hub_cache, tiny_loaded):
+    """An export of a `model.logit_scale=k` run writes k into config.json, so loading it by Hub
+    id (no calibration.json downloaded) with the scale again is refused, and without it is not."""
+    from calm_lightning.models.loading import CARRIED_SCALE_KEY
+
+    model = copy.deepcopy(tiny_loaded.model)
+    setattr(model.config, CARRIED_SCALE_KEY, 4.0)
+    snapshot = _write_hub_cache(hub_cache, model, tiny_loaded.tokenizer)
+    assert json.loads((snapshot / "config.json").read_text())[CARRIED_SCALE_KEY] == 4.0
+    with pytest.raises(ConfigError, match="already carry logit_scale=4.0"):
+        load_language_model(_hub_cfg(logit_scale=4.0))
+    assert load_language_model(_hub_cfg(logit_scale=1.0)).model is not None

@@ -117,7 +117,12 @@ def write_folder(
     serving = None
     if head is not None:
         serving = place_head(model, head, fold, adapted_output=adapts_output(adapter, merge))
-    _save_model(model, folder, run.base_model_id or str(run.cfg.model.name))
+    _save_model(
+        model,
+        folder,
+        run.base_model_id or str(run.cfg.model.name),
+        float(run.cfg.model.get("logit_scale", 1.0)),
+    )
     if adapter is not None and not merge:
         _copy_adapter(adapter, folder / ADAPTER_DIR, run.base_model_id)
     tokenizer.save_pretrained(folder)
@@ -185,8 +190,9 @@ def _check_head(run: RunToExport, model):
     return head
 
 
-def _save_model(model, folder: Path, public_name: str) -> None:
+def _save_model(model, folder: Path, public_name: str, logit_scale: float = 1.0) -> None:
     from calm_lightning.models.embedded import strip_gguf_quantizer
+    from calm_lightning.models.loading import CARRIED_SCALE_KEY
 
     quantizer = getattr(model, "hf_quantizer", None)
     method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
@@ -198,6 +204,8 @@ def _save_model(model, folder: Path, public_name: str) -> None:
     # transformers before 5 writes `_name_or_path` (where the base was loaded from: a
     # model.local_path folder, the embedded model's cache) into config.json.
     model.config.name_or_path = public_name
+    if logit_scale != 1.0:  # loading it with model.logit_scale again is refused (loading.py)
+        setattr(model.config, CARRIED_SCALE_KEY, logit_scale)
     model.save_pretrained(folder)
 
 
