@@ -123,11 +123,13 @@ def estimate(job, device_name: str, measured: dict | None = None) -> dict:
             }
     out["fits"] = out["peak_gib"] <= device.memory_gib
     source = "measured" if "train" in measured else "assumed"
-    out["basis"] = (
-        f"{source} utilisation {share:.0%} of {device.peak_tflops:g} TFLOP/s, "
-        f"{job.batch} x {batch_width(job, job.batch)[0]:.0f} tokens per batch "
-        f"({batch_width(job, job.batch)[1]})"
+    width, known = batch_width(job, job.batch)
+    tokens = (
+        f"{job.batch} x {width:.0f} tokens per training batch ({known})"
+        if job.train_steps
+        else f"evaluation prompts at eval_max_length {job.eval_max_length} (upper bound)"
     )
+    out["basis"] = f"{source} utilisation {share:.0%} of {device.peak_tflops:g} TFLOP/s, {tokens}"
     return out
 
 
