@@ -30,7 +30,6 @@ from omegaconf import OmegaConf
 
 from calm_lightning import cost_model, plan_costs
 from calm_lightning.errors import ConfigError
-from calm_lightning.models.lora import checkpointing_enabled
 from calm_lightning.models.shapes import Shape, parameter_count
 
 # Head-room on the longest job's estimate for a SLURM time limit: the estimate is an upper
@@ -219,6 +218,8 @@ def _describe_costs(job: Job, cfg) -> None:
     job.shape = cost_model.model_shape(model)
     job.quantized = str(model.get("quantization", "auto")) in ("auto", "nf4")  # auto: nf4 on GPU
     job.lora_r = int(select(cfg, "peft.r", default=0) or 0)
+    from calm_lightning.models.lora import checkpointing_enabled  # imports torch: not at --help
+
     job.checkpointing = checkpointing_enabled(
         select(cfg, "peft.gradient_checkpointing", default=False),
         parameter_count(job.shape) if job.shape is not None else 0,
