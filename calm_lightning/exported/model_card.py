@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
+from calm_lightning.exported.private_paths import is_local_path, public_block
 from calm_lightning.metrics.names import PERCENT, run_table_columns
 from calm_lightning.runtime.run_record import BASE_DIR, DATA_SUMMARY_FILE, RELIABILITY_FILE
 
@@ -357,8 +358,6 @@ def _data(run) -> str:
 
 def _without_paths(node):
     """The data summary with each file reduced to its name: no local directory leaves."""
-    from calm_lightning.exported.private_paths import is_local_path
-
     if isinstance(node, dict):
         return {k: (_names(v) if k == "files" else _without_paths(v)) for k, v in node.items()}
     if isinstance(node, list):
@@ -373,8 +372,6 @@ def _names(files):
 
 
 def _hyper_parameters(run) -> str:
-    from calm_lightning.exported.private_paths import public_block
-
     blocks = {"method": run.cfg.method}
     if run.adapter_dir is not None:
         blocks["peft"] = run.cfg.get("peft")

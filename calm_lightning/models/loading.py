@@ -173,8 +173,6 @@ def load_language_model(model_cfg: DictConfig | dict) -> LoadedModel:
             raise ModelUnavailableError(
                 f"model.local_path={location!r} is not a directory with a saved model."
             )
-        where = f"model.local_path={location!r}"
-        refuse_second_logit_scale(where, cfg.get("logit_scale", 1.0), carried_logit_scale(location))
     elif source == "embedded":
         location, local_only = str(embedded.ensure_converted(cfg.get("cache_dir"))), True
     else:
@@ -182,42 +180,26 @@ def load_language_model(model_cfg: DictConfig | dict) -> LoadedModel:
         _check_hub_model_available(cfg["model_id"], cfg.get("revision"))
     tokenizer = _load_tokenizer(location, cfg, local_only)
     model = _load_weights(location, cfg, dtype, quantize, local_only)
-    # A Hub-hosted export says so in its config.json (read with the weights, no extra download).
-    carried = carried_logit_scale(config=model.config)
-    refuse_second_logit_scale(f"{location!r}", cfg.get("logit_scale", 1.0), carried)
+    refuse_second_logit_scale(location, cfg.get("logit_scale", 1.0), model.config)
     apply_logit_scale(model, cfg.get("logit_scale", 1.0))
     return LoadedModel(model, tokenizer, cfg.get("name", source), quantize, dtype)
 
 
-# An exported folder's record of its calibration (exported/logits_processor.py: CALIBRATION_FILE).
-EXPORT_RECORD = "calibration.json"
 # The config.json key an export writes when its weights carry `model.logit_scale`: it travels
-# with the weights wherever they are loaded from (a local folder or the Hub).
+# with the weights wherever they are loaded from (a local folder or the Hub), no extra file read.
 CARRIED_SCALE_KEY = "calm_lightning_logit_scale"
 
 
-def carried_logit_scale(location: str | None = None, config=None) -> float:
-    """The logit scale an export's weights already carry: from its loaded `config`, or from
-    the `calibration.json` in a local folder `location` (1.0 for anything else)."""
-    if config is not None:
-        return float(getattr(config, CARRIED_SCALE_KEY, 1.0) or 1.0)
-    record = os.path.join(location or "", EXPORT_RECORD)
-    if not location or not os.path.isfile(record):
-        return 1.0
-    import json
-
-    with open(record) as handle:
-        return float((json.load(handle).get("weights") or {}).get("logit_scale", 1.0))
-
-
-def refuse_second_logit_scale(where: str, scale: float, carried: float) -> None:
-    """Refuse `model.logit_scale=k` on an export whose weights already carry a logit scale:
-    k would multiply the logits a second time."""
-    if float(scale) != 1.0 and float(carried) != 1.0:
+def refuse_second_logit_scale(location: str, scale: float, config) -> None:
+    """Refuse `model.logit_scale=k` on an export whose weights (loaded from `location`, with
+    `config`) already carry a logit scale: k would multiply the logits a second time."""
+    carried = float(getattr(config, CARRIED_SCALE_KEY, 1.0) or 1.0)
+    if float(scale) != 1.0 and carried != 1.0:
         raise ConfigError(
-            f"model.logit_scale={scale}: {where} is an export whose weights already carry "
-            f"logit_scale={carried} ({EXPORT_RECORD}, config.json {CARRIED_SCALE_KEY}); "
-            "scaling it again would multiply every logit twice. Leave model.logit_scale at 1.0."
+            f"model.logit_scale={scale}: {location!r} is an export whose weights already carry "
+            f"logit_scale={carried} (config.json {CARRIED_SCALE_KEY}, calibration.json "
+            "weights.logit_scale); scaling it again would multiply every logit twice. Leave "
+            "model.logit_scale at 1.0."
         )
 
 
