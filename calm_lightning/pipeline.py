@@ -76,6 +76,7 @@ def build_datamodule(
         eval_max_length=setting.eval_max_length,
         num_workers=setting.num_workers,
         seed=cfg.seed,
+        epoch_batches=cfg.method.get("epoch_batches"),
         **scorer.data_options(),
         **sources,
     )

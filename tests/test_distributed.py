@@ -63,6 +63,45 @@ def test_rank_slices_put_together_are_the_single_process_batches(n, monkeypatch)
         assert sum(expected, []) == perm.tolist()[: 8 * (n // 8)]
 
 
+def test_short_epochs_read_on_through_a_stream_of_passes(monkeypatch):
+    """epoch_batches: epoch e is batches [5e, 5e + 5) of the passes' batches put end to end,
+    each pass the (seed, pass) permutation; no batch repeats before a pass is used up."""
+    n, batch = 37, 4  # 9 full batches per pass (the tenth, short one is dropped)
+    sampler = ShardedBatchSampler(n, batch, shuffle=True, seed=3, drop_last=True, epoch_batches=5)
+    stream = []
+    for data_pass in range(3):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(3 * 100_003 + data_pass))
+        stream += [perm[i : i + batch].tolist() for i in range(0, 4 * 9, batch)]
+    for epoch in range(5):
+        sampler.set_epoch(epoch)
+        assert len(sampler) == 5
+        assert _batches(sampler, 0, 1, monkeypatch) == stream[5 * epoch : 5 * epoch + 5]
+    # two processes take the halves of the same global batches
+    half = ShardedBatchSampler(n, 2, shuffle=True, seed=3, drop_last=True, epoch_batches=5)
+    half.set_epoch(1)
+    ranks = [_batches(half, r, 2, monkeypatch) for r in range(2)]
+    assert [a + b for a, b in zip(*ranks, strict=True)] == stream[5:10]
+
+
+def test_epochs_of_data_shorter_than_epoch_batches_are_whole_passes(monkeypatch):
+    capped = ShardedBatchSampler(37, 4, shuffle=True, seed=3, drop_last=True, epoch_batches=20)
+    plain = ShardedBatchSampler(37, 4, shuffle=True, seed=3, drop_last=True)
+    for epoch in (0, 2):
+        capped.set_epoch(epoch)
+        plain.set_epoch(epoch)
+        assert _batches(capped, 0, 1, monkeypatch) == _batches(plain, 0, 1, monkeypatch)
+
+
+def test_skip_starts_one_iteration_after_the_epochs_first_batches(monkeypatch):
+    sampler = ShardedBatchSampler(37, 4, shuffle=True, seed=3, drop_last=True, epoch_batches=5)
+    sampler.set_epoch(2)
+    whole = _batches(sampler, 0, 1, monkeypatch)
+    sampler.skip = 3
+    assert _batches(sampler, 0, 1, monkeypatch) == whole[3:]
+    assert len(sampler) == 5  # the epoch's length is unchanged
+    assert _batches(sampler, 0, 1, monkeypatch) == whole  # the skip applies once
+
+
 def test_one_short_batch_is_kept_on_one_process_and_refused_on_several(monkeypatch):
     sampler = ShardedBatchSampler(3, 4, shuffle=True, seed=0, drop_last=True)
     assert sorted(_batches(sampler, 0, 1, monkeypatch)[0]) == [0, 1, 2]

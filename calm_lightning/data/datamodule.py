@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from calm_lightning.data.collate import InstructionCollator, MCQACollator, OpenQACollator
 from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, openqa_user_text
 from calm_lightning.data.records import InstructionRecord, MCQARecord, OpenQARecord
+from calm_lightning.data.resumable import ResumableLoader
 from calm_lightning.errors import ConfigError
 from calm_lightning.runtime.distributed import ShardedBatchSampler
 
@@ -50,11 +51,16 @@ class CalibrationDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         mcqa_collator: Callable | None = None,
+        epoch_batches: int | None = None,
     ) -> None:
         """`mcqa_collator`: how MCQA records train (and feed held-out objectives), from the
         MCQA scorer (`data_options`): None, as instruction examples answering with the option
         letter (the letter-scoring protocol), or `mcqa_collator(tokenizer, max_length)` builds
-        the collator of their batches (cloze scoring: the answer text and all K options)."""
+        the collator of their batches (cloze scoring: the answer text and all K options).
+
+        `epoch_batches`: training (and held-out) batches per epoch, successive epochs reading
+        on through the shuffled data (the paper budget of the bilevel methods, `budget=paper`);
+        None: an epoch is one pass over the training data."""
         super().__init__()
         self.mcqa_collator = mcqa_collator
         self.tokenizer = tokenizer
@@ -66,6 +72,7 @@ class CalibrationDataModule(L.LightningDataModule):
         self.eval_max_length = eval_max_length
         self.num_workers = num_workers
         self.seed = seed
+        self.epoch_batches = epoch_batches
         self.records: dict[str, list] = {}
         self._train_collator: InstructionCollator | None = None
         self._mcqa_train_collator = None
@@ -156,11 +163,17 @@ class CalibrationDataModule(L.LightningDataModule):
                 collate_fn=collate,
                 num_workers=self.num_workers,
             )
-        # Each process takes its slice of the same global batches (runtime/distributed.py).
+        # Each process takes its slice of the same global batches (runtime/distributed.py);
+        # the loader's position is saved in every checkpoint (data/resumable.py).
         sampler = ShardedBatchSampler(
-            len(examples), batch_size, shuffle=True, seed=self.seed + offset, drop_last=True
+            len(examples),
+            batch_size,
+            shuffle=True,
+            seed=self.seed + offset,
+            drop_last=True,
+            epoch_batches=self.epoch_batches,
         )
-        return DataLoader(
+        return ResumableLoader(
             examples, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers
         )
 

@@ -148,14 +148,26 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
     """Batches of indices 0..n-1, the same global batches on every world size.
 
     `shuffle`: a permutation that depends only on (seed, epoch) (Lightning calls `set_epoch`
-    at every epoch start, so a run resumed from an epoch-end checkpoint sees exactly the
-    batches an uninterrupted run would); otherwise file order. The order is cut into global
+    at every epoch start, through `sampler` below, so a run resumed from an epoch-end
+    checkpoint sees exactly the batches an uninterrupted run would); otherwise file order.
+    The order is cut into global
     batches of `batch_size * world` indices (the last, shorter one dropped when `drop_last`
     and at least one full batch exists); with `shard="slice"` rank r takes positions
     [r * batch_size, (r + 1) * batch_size) of each global batch (training: equal batch counts
     on every rank, as collectives need), with `shard="round_robin"` global batches of
     `batch_size` go to ranks in turn (evaluation: the very batches one process would score;
     batch j of process r is batch j * world + r of one process).
+
+    `epoch_batches`: an epoch is that many global batches, read from one stream that
+    concatenates the passes over the data (pass p: the permutation of (seed, p), cut into
+    batches), so epoch e takes the stream's batches [e * epoch_batches, (e + 1) *
+    epoch_batches): successive epochs see new batches, and a pass is never cut short by an
+    epoch end (the paper budget's 20-batch epochs of the bilevel methods, docs/calm.md). Data
+    of at most `epoch_batches` batches makes an epoch one pass, as None does: the permutation
+    of (seed, epoch).
+
+    `skip`: the next iteration starts after that many of the epoch's batches (an exact
+    mid-epoch resume; `ResumableLoader` sets it and clears it after one iteration).
 
     The rank and world size are read when iterating, so a loader built before the process
     group exists still shards correctly.
@@ -170,28 +182,63 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
         seed: int = 0,
         drop_last: bool = False,
         shard: str = "slice",
+        epoch_batches: int | None = None,
     ) -> None:
         if shard not in ("slice", "round_robin"):
             raise ValueError(f"shard={shard!r} is not slice or round_robin")
+        if epoch_batches is not None and (shard != "slice" or int(epoch_batches) < 1):
+            raise ValueError(f"epoch_batches={epoch_batches!r} needs shard='slice' and >= 1")
         self.n, self.batch_size, self.shuffle = int(n), int(batch_size), shuffle
         self.seed, self.drop_last, self.shard, self.epoch = seed, drop_last, shard, 0
+        self.epoch_batches = None if epoch_batches is None else int(epoch_batches)
+        self.skip = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def order(self) -> list[int]:
+    @property
+    def sampler(self) -> ShardedBatchSampler:
+        """Itself: Lightning calls `set_epoch` at every epoch start on a loader's `sampler` and
+        on its `batch_sampler.sampler`, never on the batch sampler itself, so this is how the
+        epoch reaches the order (without it every epoch repeats epoch 0's batches)."""
+        return self
+
+    def order(self, data_pass: int | None = None) -> list[int]:
+        """The index order of one pass over the data (default: the current epoch's)."""
         if not self.shuffle:
             return list(range(self.n))
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        data_pass = self.epoch if data_pass is None else data_pass
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + data_pass)
         return torch.randperm(self.n, generator=generator).tolist()
 
-    def _global_batches(self) -> list[list[int]]:
-        rank, size = world()
-        order = self.order()
-        step = self.batch_size * (size if self.shard == "slice" else 1)
+    def _pass_batches(self, step: int, data_pass: int | None = None) -> list[list[int]]:
+        order = self.order(data_pass)
         batches = [order[i : i + step] for i in range(0, self.n, step)]
         if self.drop_last and len(batches) > 1 and len(batches[-1]) < step:
             batches.pop()
+        return batches
+
+    def _stream_batches(self, step: int) -> list[list[int]]:
+        """Epoch `self.epoch`'s slice of the stream of passes (`epoch_batches`); data of no
+        more than `epoch_batches` batches makes one pass an epoch, as without the option."""
+        per_pass = len(self._pass_batches(step, 0))
+        if per_pass <= self.epoch_batches:
+            return self._pass_batches(step)
+        start = self.epoch * self.epoch_batches
+        out: list[list[int]] = []
+        data_pass, offset = divmod(start, per_pass)
+        while len(out) < self.epoch_batches:
+            out.extend(self._pass_batches(step, data_pass)[offset:])
+            data_pass, offset = data_pass + 1, 0
+        return out[: self.epoch_batches]
+
+    def _global_batches(self) -> list[list[int]]:
+        rank, size = world()
+        step = self.batch_size * (size if self.shard == "slice" else 1)
+        if self.epoch_batches is not None:
+            batches = self._stream_batches(step)
+        else:
+            batches = self._pass_batches(step)
         if self.shard == "round_robin":
             # Fewer batches than processes: the idle ones score a copy of the first batch
             # (Lightning needs a batch on every process); its index, >= `n_global`, marks it
@@ -211,7 +258,8 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
         return -(-self.n // self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._global_batches())
+        skip, self.skip = self.skip, 0
+        return iter(self._global_batches()[skip:])
 
     def __len__(self) -> int:
         return len(self._global_batches())
