@@ -11,6 +11,7 @@ lives in its class.
 from __future__ import annotations
 
 import gc
+import logging
 import warnings
 from pathlib import Path
 
@@ -19,7 +20,6 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.lm_eval_retention import RetentionStep
 from calm_lightning.evaluation.results import format_table, run_meta
 from calm_lightning.evaluation.scorers import MCQAScorer, scorer_from_config
@@ -27,21 +27,29 @@ from calm_lightning.evaluation.scoring_pass import evaluate, evaluate_base, eval
 from calm_lightning.methods.base import CalibrationMethod, method_class
 from calm_lightning.models.loading import LoadedModel, load_language_model
 from calm_lightning.runtime.base_cache import BaseCache
+from calm_lightning.runtime.checkpointing import (
+    JobStamp,
+    StopForRequeue,
+    lightning_plugins,
+    resolve_checkpoint,
+)
 from calm_lightning.runtime.distributed import is_main_process
 from calm_lightning.runtime.job_device import set_job_device
+from calm_lightning.runtime.job_state import JobFolder
 from calm_lightning.runtime.loggers import build_loggers, finish_loggers, publish_results
 from calm_lightning.runtime.method_settings import applied_method_setting, log_method_setting
 from calm_lightning.runtime.run_record import (
     CALIBRATION_DIR,
     RETENTION_FILE,
     RunResult,
-    checkpoint_file,
     write_config,
     write_retention,
     write_run,
 )
 from calm_lightning.runtime.timing import Stopwatch
 from calm_lightning.runtime.validation import check_world_size, validate_config
+
+log = logging.getLogger(__name__)
 
 # Manual-optimization methods (CALM) checkpoint the state after their update on purpose: a
 # checkpoint at outer step k holds the parameters and counter after step k, which is what a
@@ -103,19 +111,6 @@ def build_method(cfg: DictConfig, loaded: LoadedModel, scorer: MCQAScorer) -> Ca
     )
 
 
-def checkpoint_path(cfg: DictConfig) -> str | None:
-    """`ckpt_path` may name a checkpoint file or a run directory (its checkpoints/last.ckpt)."""
-    value = cfg.get("ckpt_path")
-    if not value:
-        return None
-    path = Path(str(value)).expanduser()
-    if path.is_dir():
-        path = checkpoint_file(path)
-    if not path.is_file():
-        raise ConfigError(f"ckpt_path={value}: no checkpoint at {path}")
-    return str(path)
-
-
 def run_experiment(cfg: DictConfig) -> RunResult:
     """Run one (model, method, setting): validate, compose, build, calibrate, evaluate, write."""
     # validate: every value and requirement first, before anything is written, any data is
@@ -125,13 +120,29 @@ def run_experiment(cfg: DictConfig) -> RunResult:
     # compose: the resolved config and whatever a method_setting file changed, said up front
     out = Path(cfg.paths.output_dir)
     main = is_main_process()  # under DDP only rank 0 writes files and prints the tables
+    job = JobFolder(cfg, out)  # one writer, this job's folder only (runtime/job_state.py)
+    if main:
+        job.check_identity()
+    # resume: `auto` takes this job's newest checkpoint; a foreign one is refused before load
+    ckpt_path, start_step = resolve_checkpoint(cfg.get("ckpt_path"), out, job.digest)
+    try:
+        if main:
+            job.acquire()
+            attempt = job.record_attempt(start_step, resumed=ckpt_path is not None)
+            log.info("attempt %d: %s", len(job.attempts()), attempt)
+        return _run(cfg, cls, sources, job, ckpt_path)
+    finally:
+        job.release()
+
+
+def _run(cfg: DictConfig, cls, sources: dict, job: JobFolder, ckpt_path) -> RunResult:
+    out, main = job.path, is_main_process()
     method_setting = applied_method_setting(cfg)
     if main:
         write_config(out, cfg)
         log_method_setting(method_setting)
     scorer = scorer_from_config(cfg.evaluation)  # one per run: data module and method share it
     datamodule = build_datamodule(cfg, scorer, sources=sources)
-    ckpt_path = checkpoint_path(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     # build: the data (read and checked) and the retention tasks' data, then the trainer,
     # all before the model, whose loading takes minutes for a 7B model
@@ -141,7 +152,13 @@ def run_experiment(cfg: DictConfig) -> RunResult:
     try:
         loggers = build_loggers(cfg, resume_from=ckpt_path)
         callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node]
-        trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+        callbacks.append(JobStamp(job.digest))  # every checkpoint names its job
+        requeue = StopForRequeue()
+        if requeue.install():  # a submitit job: timeouts save a checkpoint, then requeue
+            callbacks.append(requeue)
+        trainer = instantiate(
+            cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=lightning_plugins()
+        )
         check_world_size(trainer, retention.enabled)
         set_job_device(trainer.strategy.root_device)  # where loaders put weights themselves
         with stopwatch.phase("load_model"):
@@ -176,6 +193,7 @@ def run_experiment(cfg: DictConfig) -> RunResult:
                 retention.evaluate(cfg.method.name, module.model, loaded.tokenizer)
         # write
         extra = {"timings": stopwatch.seconds, **fitted, "method_setting": method_setting}
+        extra["attempts"] = job.attempts()
         if cached:
             extra["base_cache"] = cached
         result = RunResult(out, evaluation, rows, extra, data_summary=datamodule.summary())

@@ -32,8 +32,17 @@ def main(cfg: DictConfig) -> float | None:
     from calm_lightning.pipeline import run_experiment
 
     try:
+        stored = finished_result(cfg)
+    except CalmLightningError as err:  # another job's folder, a corrupt record: never mixed
+        print(f"\nerror: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if stored is not None:  # a relaunched sweep: this job is done, nothing is loaded or written
+        return sweep_objective(cfg, stored["metrics"], stored.get("comparison", {}))
+    try:
         result = run_experiment(cfg)
     except Exception as err:
+        if type(err).__module__.startswith("submitit"):
+            raise  # the launcher's own (timeouts, requeues) are its to handle
         if in_multirun():
             _record_failure(cfg, err)
             return None
@@ -44,6 +53,21 @@ def main(cfg: DictConfig) -> float | None:
     finally:
         release_job_device()  # a parallel sweep's next job may take this job's GPU
     return sweep_objective(cfg, result.metrics, result.comparison)
+
+
+def finished_result(cfg: DictConfig) -> dict | None:
+    """metrics.json of this very job (same config digest) in its folder, when it finished."""
+    from calm_lightning.runtime.job_state import JobFolder
+
+    job = JobFolder(cfg)
+    if not job.path.is_dir():
+        return None
+    job.check_identity()
+    summary = job.finished_summary()
+    if summary is not None:
+        log.info("already finished in %s: its metrics are returned, nothing is rerun", job.path)
+        print(f"{job.path}: finished earlier (metrics.json), not rerun")
+    return summary
 
 
 def _record_failure(cfg: DictConfig, err: Exception) -> None:

@@ -66,3 +66,50 @@ def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, compose, resume_
 def test_missing_checkpoint_is_a_clear_error(tmp_path, compose, resume_overrides):
     with pytest.raises(ConfigError, match="no checkpoint at"):
         run_experiment(compose([*resume_overrides, f"ckpt_path={tmp_path / 'nowhere'}"], tmp_path))
+
+
+class KillAtStep(L.Callback):
+    """Dies before training step `step` (global), after the checkpoint of the step before."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("simulated kill")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kill_at", [4, 5], ids=["epoch1-batch1", "epoch1-batch2"])
+def test_a_mid_epoch_kill_resumes_exactly_in_the_same_folder(tmp_path, compose, kill_at):
+    """Checkpoints after every step; killed inside the second epoch and relaunched with the
+    same command (ckpt_path=auto): the loaders continue where they stopped, so the metrics
+    equal the uninterrupted run's, and the attempts say where each start began."""
+    run = [
+        "model=tiny",
+        "method=calm",
+        "peft.r=4",
+        "setting.test.limit=8",
+        "trainer.limit_train_batches=3",
+        "trainer.max_epochs=2",
+        "method.module.inner_steps=1",
+        "method.module.upper_lr=0.05",
+        "evaluation.compare_with_base=false",
+        "trainer.enable_progress_bar=false",
+        "logger=none",
+        "callbacks.periodic.every_n_train_steps=1",
+    ]
+    full = run_experiment(compose(run, tmp_path / "full")).metrics
+    kill = [f"+callbacks.kill._target_={__name__}.KillAtStep", f"+callbacks.kill.step={kill_at}"]
+    with pytest.raises(RuntimeError, match="simulated kill"):
+        run_experiment(compose([*run, *kill], tmp_path / "job"))
+    resumed = run_experiment(compose(run, tmp_path / "job")).metrics
+    np.testing.assert_allclose(_probs(tmp_path / "job"), _probs(tmp_path / "full"), atol=1e-4)
+    for key in ("accuracy", "conf_ece", "nll"):
+        assert resumed[key] == pytest.approx(full[key], rel=1e-4, abs=1e-4), key
+    summary = json.loads((tmp_path / "job" / "metrics.json").read_text())
+    assert [(a["reason"], a["start_step"]) for a in summary["attempts"]] == [
+        ("fresh", 0),
+        ("resume", kill_at),
+    ]
+    assert not [p for p in (tmp_path / "job").rglob(".*") if p.name != ".job.lock"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
 from torch.utils.data import DataLoader
 
 from calm_lightning.errors import ConfigError
@@ -26,8 +27,13 @@ from calm_lightning.runtime.distributed import ShardedBatchSampler
 class ResumableLoader(DataLoader):
     """A `DataLoader` over a `ShardedBatchSampler` whose position survives a checkpoint."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, batch_sampler: ShardedBatchSampler, **kwargs) -> None:
+        # Every new iterator draws a worker base seed; from the global generator that draw
+        # would shift LoRA dropout's masks by one whenever a resumed run creates its iterator
+        # at another moment than the uninterrupted run did. A generator of its own keeps the
+        # global stream the model's alone.
+        kwargs.setdefault("generator", torch.Generator().manual_seed(batch_sampler.seed))
+        super().__init__(*args, batch_sampler=batch_sampler, **kwargs)
         if not isinstance(self.batch_sampler, ShardedBatchSampler):
             raise TypeError("ResumableLoader needs a ShardedBatchSampler as its batch_sampler")
         self._handed_out = 0

@@ -42,5 +42,7 @@ def plot_calm_curves(history: Sequence[dict[str, float]], path: str | Path) -> P
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    tmp = path.with_name(f".{path.name}.tmp")  # atomic, as every file of a run record
+    fig.savefig(tmp, dpi=110, format="png")
+    tmp.replace(path)
     return path

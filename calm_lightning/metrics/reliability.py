@@ -80,7 +80,11 @@ def _save(fig: Figure, path: str | Path, title: str) -> Path:
         fig.suptitle(title)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=120)
+    # Atomic, as every file of a run record: a reader (or a job killed mid-write) never
+    # leaves half a picture under the real name.
+    tmp = out.with_name(f".{out.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=120)
+    tmp.replace(out)
     return out
 
 

@@ -109,35 +109,39 @@ class RunResult:
         return {**self.evaluation.summary, "comparison": self.comparison, **self.extra}
 
 
-def _write_json(path: Path, payload) -> Path:
-    """Write atomically (a temporary file renamed over `path`): a reader never sees half."""
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write atomically (a temporary file in the same folder, renamed over `path`): a reader
+    never sees half a file, and a writer killed midway leaves the old file (and a stray
+    `.<name>.<random>` that the next start of the job removes, runtime/job_state.py)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(handle, "w", encoding="utf-8") as stream:
-        stream.write(json.dumps(payload, indent=2) + "\n")
-    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it private; a run's files are not
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it private; a run's files are not
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
+
+
+def _write_json(path: Path, payload) -> Path:
+    return write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
 
 
 def write_config(directory: str | Path, cfg) -> Path:
     """config_resolved.yaml (the first file of a run: it is what marks a run directory)."""
     from omegaconf import OmegaConf
 
-    path = Path(directory) / CONFIG_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, path, resolve=True)
-    return path
+    return write_text_atomic(Path(directory) / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
 
 
 def write_predictions(directory: str | Path, evaluation: Evaluation) -> Path:
     """predictions.jsonl of one evaluated row (written as soon as it is scored)."""
-    path = Path(directory) / PREDICTIONS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as handle:
-        for row in evaluation.rows:
-            handle.write(json.dumps(row) + "\n")
-    return path
+    lines = "".join(json.dumps(row) + "\n" for row in evaluation.rows)
+    return write_text_atomic(Path(directory) / PREDICTIONS_FILE, lines)
 
 
 def reliability_path(directory: str | Path) -> Path:
@@ -198,9 +202,7 @@ def run_dir_of_checkpoint(checkpoint: str | Path) -> Path:
 
 
 def write_wandb_id(run_dir: str | Path, run_id: str) -> None:
-    path = Path(run_dir) / WANDB_ID_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(run_id)
+    write_text_atomic(Path(run_dir) / WANDB_ID_FILE, run_id)
 
 
 def read_wandb_id(run_dir: str | Path) -> str | None:

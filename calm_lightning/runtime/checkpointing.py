@@ -1,0 +1,173 @@
+"""Checkpoints a job can trust after any kill: atomic, stamped with the job, found again.
+
+* `AtomicCheckpointIO`: Lightning's torch checkpoint writer, but into a temporary file of the
+  same folder renamed over the target, so a job killed inside a save leaves the previous
+  checkpoint whole (the stray temporary file is removed at the job's next start).
+* `JobStamp`: every checkpoint carries the job's config digest (runtime/job_state.py).
+* `resolve_checkpoint`: `ckpt_path: auto` (the default) takes the newest checkpoint of the
+  job's own `checkpoints/` whose stamp matches and which loads; an explicit `ckpt_path` (a
+  file, or a run folder: its newest checkpoint) of another configuration is refused before any
+  weights load.
+* `StopForRequeue`: under submitit (the SLURM and local launchers), the timeout / preemption
+  signal no longer stops the job wherever it is: training finishes its step, saves a
+  checkpoint, then submitit's own handler requeues the job through the launcher's
+  `checkpoint()` and exits. Lightning's own SLURM auto-requeue is switched off
+  (`lightning_plugins`): one mechanism, submitit's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from calm_lightning.errors import ConfigError
+from calm_lightning.runtime.run_record import CHECKPOINT_DIR
+
+log = logging.getLogger(__name__)
+
+STAMP_KEY = "calm_lightning_job"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save into `.<name>.tmp` beside the target, then an atomic rename."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+class JobStamp(L.Callback):
+    """Writes the job's config digest into every checkpoint."""
+
+    def __init__(self, digest: str) -> None:
+        self.digest = digest
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint[STAMP_KEY] = {"digest": self.digest}
+
+
+def _read_stamp(path: Path) -> tuple[str | None, int]:
+    """(digest, global step) of a checkpoint file; raises on a file that does not load."""
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    stamp = state.get(STAMP_KEY) or {}
+    return stamp.get("digest"), int(state.get("global_step", 0))
+
+
+def _candidates(folder: Path) -> list[Path]:
+    """A run folder's checkpoints, newest first (temporary files are not candidates)."""
+    files = [p for p in (folder / CHECKPOINT_DIR).glob("*.ckpt") if not p.name.startswith(".")]
+    return sorted(files, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+
+
+def resolve_checkpoint(value, own_folder: Path, digest: str) -> tuple[str | None, int]:
+    """(checkpoint file to resume from or None, its global step) for `ckpt_path=value`."""
+    if value in (None, "", "none", "null"):
+        return None, 0
+    if str(value) == "auto":
+        for candidate in _candidates(own_folder):
+            try:
+                stamp, step = _read_stamp(candidate)
+            except Exception as err:  # noqa: BLE001 (any unreadable file is skipped)
+                log.warning("checkpoint %s does not load (%s); trying an older one", candidate, err)
+                continue
+            if stamp == digest:
+                log.info("resuming from %s (step %d)", candidate, step)
+                return str(candidate), step
+            log.warning("checkpoint %s belongs to another configuration; not used", candidate)
+        return None, 0
+    path = Path(str(value)).expanduser()
+    if path.is_dir():
+        found = _candidates(path)
+        if not found:
+            raise ConfigError(
+                f"ckpt_path={value}: no checkpoint at {path / CHECKPOINT_DIR}/*.ckpt; pass a "
+                "run folder that saved checkpoints, a .ckpt file, or ckpt_path=auto"
+            )
+        path = found[0]
+    if not path.is_file():
+        raise ConfigError(f"ckpt_path={value}: no checkpoint at {path}")
+    try:
+        stamp, step = _read_stamp(path)
+    except Exception as err:  # noqa: BLE001
+        raise ConfigError(
+            f"ckpt_path={value}: {path} does not load as a checkpoint ({err}); pass another "
+            "file (a run folder's checkpoints/*.ckpt)"
+        ) from None
+    if stamp is not None and stamp != digest:
+        raise ConfigError(
+            f"ckpt_path={value}: {path} was written by another configuration (digest {stamp}, "
+            f"this run {digest}); resume with the overrides that run used, or drop ckpt_path"
+        )
+    return str(path), step
+
+
+class StopForRequeue(L.Callback):
+    """Defers submitit's timeout / preemption signal to the next step boundary (see the
+    module docstring). Outside training the signal is handed to submitit at once."""
+
+    def __init__(self) -> None:
+        self.pending: tuple[int, object] | None = None
+        self.training = False
+        self._submitit_handler = None
+        self._signal = None
+
+    def install(self) -> bool:
+        """Wrap submitit's handler of its requeue signal; False outside a submitit job."""
+        if "SUBMITIT_EXECUTOR" not in os.environ:
+            return False
+        from submitit import JobEnvironment
+
+        self._signal = JobEnvironment._usr_sig()
+        handler = signal.getsignal(self._signal)
+        if not callable(handler):
+            return False
+        self._submitit_handler = handler
+        signal.signal(self._signal, self._on_signal)
+        return True
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.training:
+            log.warning("requeue signal: saving a checkpoint after the current step")
+            self.pending = (signum, frame)
+        else:
+            self._submitit_handler(signum, frame)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.training = True
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.training = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.pending is None:
+            return
+        folder = Path(trainer.default_root_dir) / CHECKPOINT_DIR
+        trainer.save_checkpoint(folder / f"requeue-step-{trainer.global_step}.ckpt")
+        signum, frame = self.pending
+        self.training = False
+        self._submitit_handler(signum, frame)  # requeues and exits
+
+
+def lightning_plugins() -> list:
+    """Trainer plugins every job gets: the atomic checkpoint writer, and under SLURM an
+    environment without Lightning's own auto-requeue (submitit's is the one used)."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    plugins: list = [AtomicCheckpointIO()]
+    if SLURMEnvironment.detect():
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+    return plugins

@@ -1,0 +1,194 @@
+"""A job's identity and life in its folder: what makes a relaunched sweep finish.
+
+Relaunching a sweep with the same `hydra.sweep.dir` maps every job to the folder it had
+(Hydra names job folders by their number and overrides). In that folder:
+
+* `job.json` holds the digest of the job's resolved config (`config_digest`: everything but
+  paths, launcher, logger, checkpoint cadence and display keys). A folder whose digest differs
+  is another job's: it is refused, naming both configs, never mixed or overwritten.
+* A job whose `metrics.json` exists with the same digest is finished: the launcher gets its
+  stored objective back without a model being loaded or a file being touched.
+* One process at a time writes a job folder (`.job.lock`, held for the job's life): a second
+  one is refused.
+* `attempts.jsonl` gets a line at every start, before any work: `{start_step, started_at,
+  reason}` with reason `fresh` (nothing to resume), `resume` (a checkpoint of this job found)
+  or `requeue` (the launcher started it again: SLURM's restart count, or submitit after an
+  earlier attempt); `metrics.json` carries the list as `attempts`.
+
+Where the checkpoints come from and how they are found: runtime/checkpointing.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from calm_lightning.errors import ConfigError
+from calm_lightning.runtime.file_lock import FileLock
+from calm_lightning.runtime.run_record import CONFIG_FILE, METRICS_FILE, _write_json
+
+IDENTITY_FILE = "job.json"
+ATTEMPTS_FILE = "attempts.jsonl"
+JOB_LOCK_FILE = ".job.lock"
+
+# Keys that say where or how a job runs, not what it computes: two configs that differ only
+# here are the same job. `trainer.default_root_dir` is the output folder again; `callbacks`
+# only sets checkpoint cadence; the base-row cache is a shortcut to the same numbers.
+IGNORED_KEYS = (
+    "paths",
+    "hydra",
+    "logger",
+    "ckpt_path",
+    "callbacks",
+    "oversubscribe_gpus",
+    "trainer.default_root_dir",
+    "trainer.enable_progress_bar",
+    "trainer.log_every_n_steps",
+    "evaluation.base_cache",
+    "evaluation.base_cache_dir",
+)
+
+
+def config_digest(cfg) -> str:
+    """A short digest of what the job computes (its resolved config without IGNORED_KEYS)."""
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    for dotted in IGNORED_KEYS:
+        *parents, leaf = dotted.split(".")
+        node = tree
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    text = json.dumps(tree, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read_json(path: Path):
+    """A record file's content (None when missing); a corrupt one is a one-line error."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(
+            f"{path} is corrupt ({err}); move it out of the job folder (or delete it) and "
+            "relaunch: the job then runs again"
+        ) from None
+
+
+def _stray_temporaries(folder: Path) -> list[Path]:
+    """Temporary files an interrupted atomic write left (`.<name>.<random>`, `*.tmp`)."""
+    out = []
+    for sub in (folder, folder / "checkpoints", folder / "base"):
+        if sub.is_dir():
+            out += [p for p in sub.iterdir() if p.is_file() and _is_temporary(p.name)]
+    return out
+
+
+def _is_temporary(name: str) -> bool:
+    return name.endswith(".tmp") or (
+        name.startswith(".") and name.count(".") >= 2 and name not in (JOB_LOCK_FILE,)
+    )
+
+
+class JobFolder:
+    """One job's folder as the job sees it (see the module docstring)."""
+
+    def __init__(self, cfg, folder: str | Path | None = None) -> None:
+        self.cfg = cfg
+        self.path = Path(folder if folder is not None else cfg.paths.output_dir)
+        self.digest = config_digest(cfg)
+        self._lock = FileLock(self.path / JOB_LOCK_FILE)
+
+    # ----- identity -----
+    def stored_digest(self) -> str | None:
+        record = _read_json(self.path / IDENTITY_FILE)
+        return record.get("digest") if isinstance(record, dict) else None
+
+    def check_identity(self) -> None:
+        """Refuse a folder that holds another job (its digest differs, or it holds a run
+        written before digests existed)."""
+        stored = self.stored_digest()
+        if stored is None:
+            if (self.path / CONFIG_FILE).is_file() and not (self.path / IDENTITY_FILE).exists():
+                raise ConfigError(
+                    f"{self.path} already holds a run without a job identity ({IDENTITY_FILE}); "
+                    "it may be another job: launch into a new hydra.sweep.dir, or move that "
+                    "folder away"
+                )
+            return
+        if stored != self.digest:
+            raise ConfigError(
+                f"{self.path} holds another job (config digest {stored}, this job {self.digest}; "
+                f"its config: {self.path / CONFIG_FILE}): a relaunched sweep must use the same "
+                "command and grid; launch this one into a new hydra.sweep.dir, or move the old "
+                "folder away (nothing was changed in it)"
+            )
+
+    # ----- finished jobs -----
+    def finished_summary(self) -> dict | None:
+        """metrics.json of this very job, when it finished (None otherwise)."""
+        if self.stored_digest() != self.digest:
+            return None
+        summary = _read_json(self.path / METRICS_FILE)
+        return summary if isinstance(summary, dict) and "metrics" in summary else None
+
+    # ----- one writer -----
+    def acquire(self) -> None:
+        """Take the folder for this process's life; refuse when another process holds it."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        if not self._lock.acquire(blocking=False) and not self._lock.unavailable:
+            raise ConfigError(
+                f"another process is running the job in {self.path} (it holds "
+                f"{self.path / JOB_LOCK_FILE}); wait for it, or stop it first"
+            )
+        for stray in _stray_temporaries(self.path):  # ours alone now: a dead writer's
+            stray.unlink(missing_ok=True)
+        if self.stored_digest() is None:
+            _write_json(self.path / IDENTITY_FILE, {"digest": self.digest})
+
+    def release(self) -> None:
+        self._lock.release()
+
+    # ----- attempts -----
+    def attempts(self) -> list[dict]:
+        path = self.path / ATTEMPTS_FILE
+        if not path.is_file():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a kill mid-write
+                continue
+        return out
+
+    def record_attempt(self, start_step: int, resumed: bool) -> dict:
+        """Append this start (before any work, so a killed attempt counts too)."""
+        if launcher_restart(bool(self.attempts())):
+            reason = "requeue"
+        else:
+            reason = "resume" if resumed else "fresh"
+        entry = {
+            "start_step": int(start_step),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "reason": reason,
+        }
+        with open(self.path / ATTEMPTS_FILE, "a", encoding="utf-8") as stream:
+            stream.write(json.dumps(entry) + "\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        return entry
+
+
+def launcher_restart(had_attempts: bool) -> bool:
+    """Whether the launcher started this job again: SLURM counts its requeues; submitit's
+    local executor does not, so there an earlier attempt of a submitit job is the sign."""
+    if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
+        return True
+    return had_attempts and "SUBMITIT_EXECUTOR" in os.environ
