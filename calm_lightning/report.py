@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Write the report of `args.dirs` and print its tables."""
-    from calm_lightning.reporting.collect import collect_runs
+    from calm_lightning.reporting.collect import collect
     from calm_lightning.reporting.dashboard import publish, write_dashboard
     from calm_lightning.reporting.render import write_report
     from calm_lightning.runtime.run_record import CONFIG_FILE
@@ -36,11 +36,12 @@ def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     missing = [d for d in args.dirs if not Path(d).is_dir()]
     if missing:
         parser.error(f"not a directory: {', '.join(missing)}")
-    runs = collect_runs(args.dirs)
+    collection = collect(args.dirs)
+    runs = collection.runs
     if not runs:
-        parser.error(f"no runs found (no {CONFIG_FILE} below the given directories)")
+        parser.error(f"no runs found (no readable {CONFIG_FILE} below the given directories)")
     out = Path(args.out) if args.out else Path(args.dirs[0]) / "report"
-    result = write_report(runs, out, args.min_accuracy_ratio)
+    result = write_report(runs, out, args.min_accuracy_ratio, collection)
     print(result["markdown"])
     print(
         f"written: {out}/report.md, results.csv, selected.csv"

@@ -241,13 +241,38 @@ def test_a_lock_file_left_by_a_dead_process_is_taken_over(tmp_path, monkeypatch)
     lock.release()
     assert not lock.owner_file.exists() and other.acquire(blocking=False)
     other.release()
-    # another host's owner cannot be checked: held until the wait runs out
+    # another host's owner cannot be checked: held while it renews its lease ...
     lock.owner_file.write_text("some-other-node 1\n")
     assert not lock.acquire(timeout=0.3)
+    # ... and stale once it has not for LEASE_STALE_S (a dead node), on any host
+    old = time.time() - file_lock.LEASE_STALE_S - 1
+    os.utime(lock.owner_file, (old, old))
+    assert lock.acquire(timeout=1) and lock.held
+    lock.release()
+    # an empty owner file (its writer died before writing) is stale after a short grace
+    lock.owner_file.write_text("")
+    assert not lock.acquire(blocking=False)
+    old = time.time() - file_lock.EMPTY_GRACE_S - 1
+    os.utime(lock.owner_file, (old, old))
+    assert lock.acquire(timeout=1)
+    lock.release()
     # a folder where no lock file can even be opened: no lock, no crash
     (tmp_path / "a_file").write_text("")
     nowhere = file_lock.FileLock(tmp_path / "a_file" / "entry.lock")
     assert not nowhere.acquire() and nowhere.unavailable
+
+
+def test_the_owner_renews_its_lease_while_it_holds_the_lock(tmp_path, monkeypatch):
+    monkeypatch.setattr(file_lock.fcntl, "flock", _no_flock)
+    monkeypatch.setattr(file_lock, "LEASE_REFRESH_S", 0.05)
+    lock = file_lock.FileLock(tmp_path / "entry.lock")
+    assert lock.acquire(blocking=False)
+    old = time.time() - 1000
+    os.utime(lock.owner_file, (old, old))
+    time.sleep(0.3)
+    assert time.time() - lock.owner_file.stat().st_mtime < 5  # touched again
+    lock.release()
+    assert not lock.owner_file.exists()
 
 
 def test_a_mismatched_entry_is_never_used(tmp_path):

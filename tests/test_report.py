@@ -196,3 +196,41 @@ def test_seeded_posthoc_runs_average_into_one_row_with_all_metrics(tmp_path):
 
     table = markdown_tables([choice])
     assert "| MCE | ACE | Brier |" in table and "0.0400 ± 0.0163" in table
+
+
+def _sweep(root: Path, grid: str) -> Path:
+    """A sweep folder as Hydra's basic sweeper leaves it: multirun.yaml with the grid."""
+    root.mkdir(parents=True)
+    hydra = {
+        "sweeper": {
+            "_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+            "params": {"method.module.lower_lr": grid},
+        },
+        "overrides": {"task": ["method=calm", "seed=0"]},
+    }
+    OmegaConf.save(OmegaConf.create({"hydra": hydra}), root / "multirun.yaml")
+    return root
+
+
+def test_report_says_what_a_sweep_lacks_and_counts_a_job_found_twice_once(tmp_path, capsys):
+    sweep = _sweep(tmp_path / "sweep", "1e-3,1e-2,1e-1")
+    good = {"accuracy": 0.6, "conf_ece": 0.1}
+    done = _fake_run(sweep, "0_m_calm_ood", "calm", good, lower_lr=1e-3)
+    (done / "job.json").write_text(json.dumps({"digest": "aaaa"}))
+    broken = _fake_run(sweep, "1_m_calm_ood", "calm", good, lower_lr=1e-2)
+    (broken / "metrics.json").write_text('{"metrics": {"accuracy": 0.')  # cut mid-write
+    # job 2 never started; an older copy of job 0 in another folder (killed there)
+    other = _fake_run(tmp_path / "older", "0_m_calm_ood", "calm", None, lower_lr=1e-3)
+    (other / "job.json").write_text(json.dumps({"digest": "aaaa"}))
+
+    assert report_main([str(tmp_path), "--out", str(tmp_path / "report")]) == 0
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert f"`{sweep}`: 1 of 3 finished, 1 unreadable, 1 never started" in text
+    assert "never started: `method.module.lower_lr=0.1 method=calm seed=0`" in text
+    assert f"{broken / 'metrics.json'}: JSONDecodeError" in text
+    assert f"the same job twice, counted once: `{done}` (kept), `{other}`" in text
+    assert "| calm ‡ |" in text and "selected from an incomplete sweep" in text
+    # one run, not two seeds of one configuration
+    (row,) = list(csv.DictReader((tmp_path / "report" / "selected.csv").open()))
+    assert row["method"] == "calm"
+    assert "n_seeds" not in row or row["n_seeds"] == "1"

@@ -107,3 +107,16 @@ def test_open_qa_run_publishes_sem_ece_and_the_question_table(
     rows = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
     samples = content["columns"].index("samples")
     assert [json.loads(r[samples]) for r in content["data"]] == [r["samples"] for r in rows]
+
+
+def test_a_relaunched_job_continues_its_wandb_run(tmp_path, compose):
+    """A job started again in its folder (killed, requeued) logs to the W&B run it began,
+    resumed with resume="allow", never to a second run."""
+    from calm_lightning.runtime.loggers import build_loggers
+
+    cfg = compose(["model=tiny", "logger=wandb", "logger.wandb.offline=true"], tmp_path)
+    (first,) = build_loggers(cfg)
+    (again,) = build_loggers(cfg)  # the next attempt, before any checkpoint
+    run_id = (tmp_path / "wandb_id.txt").read_text()
+    assert first._wandb_init["id"] == again._wandb_init["id"] == run_id
+    assert again._wandb_init["resume"] == "allow"

@@ -6,13 +6,21 @@ flattened config, and mark as hyper-parameters the config keys that differ withi
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from calm_lightning.runtime.run_record import find_runs
+from calm_lightning.runtime.job_state import IDENTITY_FILE
+from calm_lightning.runtime.run_record import (
+    CONFIG_FILE,
+    FAILED_FILE,
+    METRICS_FILE,
+    RETENTION_FILE,
+    read_run,
+)
 
 IGNORED_KEYS = ("paths.", "hydra.", "trainer.default_root_dir", "logger.", "callbacks.", "seed")
 
@@ -30,6 +38,7 @@ class Run:
     error: str | None = None
     params: dict = field(default_factory=dict)
     retention: dict | None = None  # retention.json's rows (base, method): task -> metrics
+    failed: bool = False  # it wrote failed.json (else an error means: not finished)
 
 
 def _flatten(node, prefix: str = "") -> dict:
@@ -41,26 +50,87 @@ def _flatten(node, prefix: str = "") -> dict:
     return {prefix[:-1]: node if not isinstance(node, list) else tuple(node)}
 
 
+@dataclass
+class Collection:
+    """What the roots hold: readable runs (one per job), folders whose records do not parse,
+    the same job found twice, and each sweep's completeness (reporting/completeness.py)."""
+
+    runs: list[Run]
+    unreadable: dict[Path, str] = field(default_factory=dict)
+    duplicates: list[tuple[Path, Path]] = field(default_factory=list)  # (kept, left out)
+    sweeps: list = field(default_factory=list)  # SweepStatus per sweep folder
+
+
 def collect_runs(roots: list[str | Path]) -> list[Run]:
-    """Every run directory below `roots`, finished or not."""
-    runs = []
-    for record in find_runs(roots):
-        flat = _flatten(OmegaConf.to_container(record.config))
-        run = Run(
-            record.path,
-            flat.get("model.name", "?"),
-            flat.get("method.name", "?"),
-            flat.get("setting.name", "?"),
-            int(flat.get("seed", 0)),
-            flat,
-            metrics=record.metrics,
-            base=record.comparison.get("base"),
-            error=record.error,
-            retention=(record.retention or {}).get("rows"),
-        )
-        runs.append(run)
-    _mark_swept_parameters(runs)
-    return runs
+    """Every readable run directory below `roots`, finished or not, each job once."""
+    return collect(roots).runs
+
+
+def collect(roots: list[str | Path]) -> Collection:
+    """Every run directory below `roots`: a record that does not parse is listed (with the
+    file and why), never a crash; one job (the same config digest) found in two folders is
+    one run, the finished copy kept; every sweep folder's expected jobs are checked."""
+    from calm_lightning.reporting.completeness import sweep_folders, sweep_status
+
+    collection, by_digest = Collection([]), {}
+    folders = [p.parent for root in roots for p in sorted(Path(root).rglob(CONFIG_FILE))]
+    for folder in folders:
+        try:
+            run, digest = _read(folder)
+        except Exception as err:  # noqa: BLE001 (any damaged record is listed, not fatal)
+            collection.unreadable[folder] = _why_unreadable(folder, err)
+            continue
+        kept = by_digest.get(digest) if digest else None
+        if kept is not None:
+            if run.metrics and not kept.metrics:  # the finished copy counts
+                collection.runs[collection.runs.index(kept)] = run
+                by_digest[digest], run, kept = run, kept, run
+            collection.duplicates.append((kept.path, run.path))
+            continue
+        if digest:
+            by_digest[digest] = run
+        collection.runs.append(run)
+    _mark_swept_parameters(collection.runs)
+    by_path = {run.path: run for run in collection.runs}
+    collection.sweeps = [
+        sweep_status(folder, by_path, collection.unreadable) for folder in sweep_folders(roots)
+    ]
+    return collection
+
+
+def _read(folder: Path) -> tuple[Run, str | None]:
+    record = read_run(folder)
+    flat = _flatten(OmegaConf.to_container(record.config))
+    run = Run(
+        record.path,
+        flat.get("model.name", "?"),
+        flat.get("method.name", "?"),
+        flat.get("setting.name", "?"),
+        int(flat.get("seed", 0)),
+        flat,
+        metrics=record.metrics,
+        base=record.comparison.get("base"),
+        error=record.error,
+        retention=(record.retention or {}).get("rows"),
+        failed=record.failure is not None,
+    )
+    identity = folder / IDENTITY_FILE
+    digest = json.loads(identity.read_text()).get("digest") if identity.is_file() else None
+    return run, digest
+
+
+def _why_unreadable(folder: Path, err: Exception) -> str:
+    """The first record file of `folder` that does not parse, and the parser's complaint."""
+    for name in (CONFIG_FILE, METRICS_FILE, FAILED_FILE, RETENTION_FILE, IDENTITY_FILE):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+            OmegaConf.create(text) if name.endswith(".yaml") else json.loads(text)
+        except Exception as file_err:  # noqa: BLE001
+            return f"{path}: {type(file_err).__name__}: {file_err}".splitlines()[0]
+    return f"{folder}: {type(err).__name__}: {err}".splitlines()[0]
 
 
 def _mark_swept_parameters(runs: list[Run]) -> None:

@@ -66,14 +66,21 @@ def markdown_tables(choices: list[Choice]) -> str:
     return "\n".join(parts)
 
 
-def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0.8) -> dict:
+def write_report(
+    runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0.8, collection=None
+) -> dict:
     """Write report.md, results.csv, selected.csv, retention.csv (when runs measured
-    retention) and reliability_grid.png under `out`."""
+    retention) and reliability_grid.png under `out`. `collection` (reporting/collect.py's
+    `collect`): also say how complete each sweep is, what could not be read and which job
+    was found twice, and flag selections made from an incomplete sweep."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     choices = select(runs, min_accuracy_ratio)
     failed = [r for r in runs if r.error]
-    lines = _report_lines(runs, choices, failed, min_accuracy_ratio)
+    incomplete = _incomplete_choices(choices, collection)
+    lines = _report_lines(runs, choices, failed, min_accuracy_ratio, incomplete)
+    if collection is not None:
+        lines += completeness_lines(collection)
     retention = retention_rows(choices, runs)
     if retention:
         lines += ["", retention_markdown(retention)]
@@ -88,6 +95,7 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
     grid = reliability_grid(choices, out / "reliability_grid.png")
     return {
         "choices": choices,
+        "incomplete": incomplete,
         "failed": failed,
         "grid": grid,
         "markdown": markdown,
@@ -95,8 +103,39 @@ def write_report(runs: list[Run], out: str | Path, min_accuracy_ratio: float = 0
     }
 
 
+def _incomplete_choices(choices: list[Choice], collection) -> dict[int, str]:
+    """choice index -> why its selection may change: a sweep its runs came from has jobs that
+    did not finish (failed, killed, never started, unreadable)."""
+    out = {}
+    for i, choice in enumerate(choices):
+        for sweep in getattr(collection, "sweeps", []):
+            mine = any(sweep.folder in run.path.parents for run in choice.runs)
+            if mine and not sweep.complete:
+                out[i] = sweep.line()
+    return out
+
+
+def completeness_lines(collection) -> list[str]:
+    """The sweeps' "N of M finished", then each unfinished, failed, unreadable, never-started
+    job and each job found twice."""
+    lines = ["", "## Completeness", ""]
+    for sweep in collection.sweeps:
+        lines.append(f"- {sweep.line()}")
+        lines += [f"  - never started: `{job}`" for job in sweep.never_started]
+    lines += [f"- unreadable, left out: {why}" for why in collection.unreadable.values()]
+    lines += [
+        f"- the same job twice, counted once: `{kept}` (kept), `{extra}`"
+        for kept, extra in collection.duplicates
+    ]
+    return lines if len(lines) > 3 else []
+
+
 def _report_lines(
-    runs: list[Run], choices: list[Choice], failed: list[Run], min_accuracy_ratio: float
+    runs: list[Run],
+    choices: list[Choice],
+    failed: list[Run],
+    min_accuracy_ratio: float,
+    incomplete: dict[int, str] | None = None,
 ) -> list[str]:
     """report.md's header, the tables and the selected hyper-parameters."""
     lines = [
@@ -114,13 +153,18 @@ def _report_lines(
         f"{BY_KEY['accuracy'].column} |",
         "|---|---|---|---|---|---|---|",
     ]
-    for c in choices:
+    incomplete = incomplete or {}
+    for i, c in enumerate(choices):
         params = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in c.params.items()) or "-"
         key = calibration_key(c.mean)
+        mark = " ‡" if i in incomplete else ""
         lines.append(
-            f"| {c.model} | {c.setting} | {c.method} | {params} | {key} | "
+            f"| {c.model} | {c.setting} | {c.method}{mark} | {params} | {key} | "
             f"{c.mean[key]:.4f} | {100 * c.mean['accuracy']:.2f}% |"
         )
+    if incomplete:
+        lines += ["", "‡ selected from an incomplete sweep; the choice may change:"]
+        lines += [f"- {why}" for why in sorted(set(incomplete.values()))]
     return lines
 
 

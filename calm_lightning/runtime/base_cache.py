@@ -346,6 +346,11 @@ class BaseCache:
     def _store(self, fingerprint: Fingerprint, payload: dict, files: Path | None) -> None:
         """Build the entry in a temporary folder, then rename it into place (atomic)."""
         self.root.mkdir(parents=True, exist_ok=True)
+        # This job holds the entry's lock: a temporary folder of this entry is a killed
+        # writer's, never another live one's (where no lock could be had, a live writer's
+        # rename then fails and it keeps its own result, as below).
+        for stale in self.root.glob(f".{fingerprint.entry_name}.*"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{fingerprint.entry_name}."))
         try:
             if files is not None and files.is_dir():

@@ -4,9 +4,12 @@
 filesystems refuse it (Lustre mounted with `noflock`, some NFS setups: ENOLCK, EOPNOTSUPP,
 ENOSYS, EINVAL: any error but "held by another"); there the lock is a second file created
 atomically (`O_CREAT | O_EXCL`) holding its owner's host and pid, removed on release. Such a
-file outlives a crashed holder, so one whose owner is a dead process of this host is taken
-over; one from another host counts as held until the caller's wait runs out. Either way the
-fallback is logged once per process.
+file outlives a crashed holder, so it is a lease: its owner touches it every `LEASE_REFRESH_S`
+(a daemon thread), and a file not touched for `LEASE_STALE_S` is stale on any host (a node
+that died, a process killed by SIGKILL); one whose owner is a dead process of this host is
+stale at once, and an empty one (its writer died between creating and writing it) after
+`EMPTY_GRACE_S`. A stale file is taken over. Either way the fallback is logged once per
+process.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ import fcntl
 import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
+LEASE_REFRESH_S = 30.0  # the owner touches its owner file this often
+LEASE_STALE_S = 4 * LEASE_REFRESH_S  # untouched this long: its owner is gone (any host)
+EMPTY_GRACE_S = 10.0  # an empty owner file this old: its writer died before writing it
 _warned: set[str] = set()
 
 
@@ -44,6 +51,21 @@ def _owner_is_dead(text: str) -> bool:
     except PermissionError:  # alive, another user's
         return False
     return False
+
+
+def _stale_reason(owner_file: Path, text: str) -> str | None:
+    """Why an owner file no longer holds its lock (None: it does)."""
+    try:
+        age = time.time() - owner_file.stat().st_mtime
+    except FileNotFoundError:
+        return None  # released meanwhile: the next try takes it
+    if not text.strip():
+        return f"empty for {age:.0f} s" if age > EMPTY_GRACE_S else None
+    if _owner_is_dead(text):
+        return f"its owner ({text.strip()}) is gone"
+    if age > LEASE_STALE_S:
+        return f"its owner ({text.strip()}) has not renewed it for {age:.0f} s"
+    return None
 
 
 class FileLock:
@@ -109,8 +131,9 @@ class FileLock:
                 owner = self.owner_file.read_text()
             except FileNotFoundError:  # released meanwhile
                 return None
-            if _owner_is_dead(owner):
-                log.warning("%s: its owner (%s) is gone; taken over", self.owner_file, owner)
+            why = _stale_reason(self.owner_file, owner)
+            if why:
+                log.warning("%s: %s; taken over", self.owner_file, why)
                 self.owner_file.unlink(missing_ok=True)
             return None
         except OSError as err:
@@ -124,7 +147,15 @@ class FileLock:
         with os.fdopen(fd, "w") as handle:
             handle.write(f"{socket.gethostname()} {os.getpid()}\n")
         self._owns_file = True
+        self._renewing = threading.Event()
+        threading.Thread(target=self._renew, args=(self._renewing,), daemon=True).start()
         return True
+
+    def _renew(self, stop: threading.Event) -> None:
+        """Keep the lease: touch the owner file until released."""
+        while not stop.wait(LEASE_REFRESH_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.owner_file)
 
     def release(self) -> None:
         if self._handle is not None:
@@ -132,5 +163,6 @@ class FileLock:
             self._handle.close()
             self._handle = None
         if self._owns_file:
+            self._renewing.set()
             self.owner_file.unlink(missing_ok=True)
             self._owns_file = False

@@ -13,7 +13,8 @@ Relaunching a sweep with the same `hydra.sweep.dir` maps every job to the folder
 * `attempts.jsonl` gets a line at every start, before any work: `{start_step, started_at,
   reason}` with reason `fresh` (nothing to resume), `resume` (a checkpoint of this job found)
   or `requeue` (the launcher started it again: SLURM's restart count, or submitit after an
-  earlier attempt); `metrics.json` carries the list as `attempts`.
+  earlier attempt), and the error of a failed earlier attempt (its failed.json, which the new
+  attempt takes over); `metrics.json` carries the list as `attempts`.
 
 Where the checkpoints come from and how they are found: runtime/checkpointing.py.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from calm_lightning.errors import ConfigError
 from calm_lightning.runtime.file_lock import FileLock
-from calm_lightning.runtime.run_record import CONFIG_FILE, METRICS_FILE, _write_json
+from calm_lightning.runtime.run_record import CONFIG_FILE, FAILED_FILE, METRICS_FILE, _write_json
 
 IDENTITY_FILE = "job.json"
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -149,6 +150,14 @@ class JobFolder:
             )
         for stray in _stray_temporaries(self.path):  # ours alone now: a dead writer's
             stray.unlink(missing_ok=True)
+        # An earlier attempt's failure goes into this attempt's record: the folder then says
+        # what it is now (running, then finished or failed again), and nothing is lost.
+        failed = self.path / FAILED_FILE
+        self._previous_failure = None
+        if failed.is_file():
+            record = _read_json(failed)
+            self._previous_failure = (record or {}).get("error", "failed")
+            failed.unlink()
         if self.stored_digest() is None:
             _write_json(self.path / IDENTITY_FILE, {"digest": self.digest})
 
@@ -179,6 +188,8 @@ class JobFolder:
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "reason": reason,
         }
+        if getattr(self, "_previous_failure", None):
+            entry["previous_failure"] = self._previous_failure
         with open(self.path / ATTEMPTS_FILE, "a", encoding="utf-8") as stream:
             stream.write(json.dumps(entry) + "\n")
             stream.flush()
