@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from calm_lightning import cost_model, plan, plan_costs
+from calm_lightning import cost_model, plan, plan_costs, plan_jobs
 from calm_lightning.errors import ConfigError
 from calm_lightning.models import shapes
 from calm_lightning.models.lora import checkpointing_enabled
@@ -316,7 +316,7 @@ def test_an_epoch_is_what_the_sampler_and_the_trainer_let_through(
 ):
     """rows // batch (the last partial batch dropped), then the budget's epoch, then
     trainer.limit_train_batches as a count or a fraction of that."""
-    assert plan.batches_per_epoch(rows, batch, epoch_batches, limit) == expected
+    assert plan_jobs.batches_per_epoch(rows, batch, epoch_batches, limit) == expected
 
 
 def test_a_trainer_limit_or_the_methods_own_epoch_size_wins_over_the_budget():
