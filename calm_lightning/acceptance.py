@@ -320,7 +320,9 @@ def run_collectives(out: Path, backend: str) -> dict:
     if expected.type == "cuda":
         torch.cuda.set_device(expected)
     out.mkdir(parents=True, exist_ok=True)
-    store = out / "store"
+    # An absolute path: file://outputs/gpu_check/... would read `outputs` as the URL's host
+    # and the FileStore would open `/gpu_check/...` (the default --out is relative).
+    store = (out / "store").resolve()
     store.unlink(missing_ok=True)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     original = distributed.is_distributed
@@ -384,7 +386,7 @@ def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.cpu and not torch.cuda.is_available():
         print("FAIL cuda: no CUDA GPU visible (run with --cpu for the CPU checks)")
         return 1
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the checks' runs and file URLs need it absolute
     out.mkdir(parents=True, exist_ok=True)
     checks = Checks(out, args.cpu)
     device = "cpu" if args.cpu else torch.cuda.get_device_name(0)

@@ -17,6 +17,8 @@ but not the input embedding, which is a lookup.
 
 from __future__ import annotations
 
+import os
+import subprocess
 from dataclasses import dataclass
 
 from calm_lightning.errors import ConfigError
@@ -107,16 +109,21 @@ PAPER_TABLE10 = {
 
 
 def default_device() -> str:
-    """The local GPU's entry when torch sees one we know, else the paper's A100 40G."""
-    try:
-        import torch
+    """The local GPU's entry when `nvidia-smi` lists one we know, else the paper's A100 40G.
 
-        if torch.cuda.is_available():
-            memory = torch.cuda.get_device_properties(0).total_memory / 2**30
-            return _known_gpu(torch.cuda.get_device_name(0).lower(), memory) or DEFAULT_DEVICE
-    except Exception:  # noqa: BLE001 (no torch / no driver: plan for the default device)
-        pass
-    return DEFAULT_DEVICE
+    Asked of nvidia-smi rather than torch, so that a plan never imports torch (seconds of
+    start-up, and a CUDA context the plan has no use for). The first GPU the job may use:
+    CUDA_VISIBLE_DEVICES' first index when it names one, else the first listed."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    command = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
+    if visible.isdigit():
+        command += ["--id", visible]
+    try:
+        listed = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
+        name, memory_mib = listed.stdout.splitlines()[0].rsplit(",", 1)
+        return _known_gpu(name.strip().lower(), float(memory_mib) / 1024) or DEFAULT_DEVICE
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return DEFAULT_DEVICE  # no driver, no GPU, or output we cannot read: the default
 
 
 def _known_gpu(name: str, memory_gib: float) -> str | None:

@@ -7,11 +7,21 @@ A sweep script is run for real with a recording stand-in for Python (`--python`)
 listed are the `python -m calm_lightning.run` calls the script makes, with its loops and
 helpers; each call is expanded into jobs by Hydra's own basic sweeper (the grid of its
 `+sweep=` file plus the command line's comma lists), and each job's config is composed like
-`calm_lightning.run` composes it. Every job gets GPU-hours and a peak memory on `--device` from
-the cost model (cost_model.py: FLOPs from the model's shape and the passes its method makes,
-over the device's peak x a stated utilisation; plan_costs.py: the passes per method). A cost
-file measured on a GPU (`benchmarks/calm_step.py --json`, `--costs FILE`) replaces the stated
-utilisation with the measured one; one whose phases are out of order is refused.
+`calm_lightning.run` composes it (plan_jobs.py reads what the job will do). Every job gets
+GPU-hours and a peak memory on `--device` from the cost model (cost_model.py: FLOPs from the
+model's shape and the passes its method makes, over the device's peak x a stated utilisation;
+plan_costs.py: the passes per method). A cost file measured on a GPU (`benchmarks/calm_step.py
+--json`, `--costs FILE`) replaces the stated utilisation with the measured one; one whose
+phases are out of order is refused.
+
+An epoch is what the job's data module yields (`plan_jobs.batches_per_epoch`): under the
+default `budget=paper` an epoch of the bilevel methods (CALM, Iterate) is 20 batches, the
+paper's Appendix C.2 read as Table 10's costs need it (docs/calm.md, "Reading of the paper");
+under `budget=full` every batch. The plan names the budget it priced and prints the total under
+each other budget (every job composed again with `budget=` swapped), so the choice is visible
+before launch. The base model's evaluation is charged once per base-cache entry
+(`plan_jobs.base_cache_key`): later jobs of a sweep read its row. The planner never imports
+torch.
 """
 
 from __future__ import annotations
@@ -23,56 +33,23 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from calm_lightning import cost_model, plan_costs
 from calm_lightning.errors import ConfigError
-from calm_lightning.models.shapes import Shape, parameter_count
+from calm_lightning.plan_jobs import CONF_PACKAGE, Job, compose_run, describe, group_options
 
 # Head-room on the longest job's estimate for a SLURM time limit: the estimate is an upper
 # bound on tokens but assumes a utilisation, and a job killed at its limit loses its work.
 SLURM_MARGIN = 0.25
-CALM_METHODS = plan_costs.CALM_METHODS  # the bilevel presets (one LightningModule, calm.py)
 _RECORDER = """#!{python}
 import json, os, sys
 with open(os.environ["CALM_PLAN_LOG"], "a") as log:
     log.write(json.dumps(sys.argv[1:]) + "\\n")
 """
-
-
-@dataclass
-class Job:
-    """One job of a sweep: its overrides and what its composed config says it will do."""
-
-    overrides: list[str]
-    method: str
-    model: str
-    train_rows: int | None = None
-    heldout_rows: int | None = None
-    eval_rows: int | None = None
-    batch: int = 1
-    eval_batch: int = 1
-    max_length: int = 1
-    train_steps: int = 0
-    schedule: str | None = None
-    inner_steps: int | None = None
-    surrogate_steps: int | None = None
-    lower_steps: int = 1
-    compare_with_base: bool = False
-    heldout_batch: int = 1
-    eval_max_length: int = 1
-    shape: Shape | None = None  # the architecture the model runs (cost_model.model_shape)
-    quantized: bool = True  # nf4 QLoRA (quantization auto on a GPU) or bf16
-    lora_r: int = 0
-    checkpointing: bool = False
-    sampling: tuple[int, int] | None = None  # open QA: (samples, max new tokens) per question
-    train_source: str | None = None  # the training data's source class (plan_costs widths)
-    reference_shape: Shape | None = None  # post-hoc methods' pre-trained reference model
-    reference_quantized: bool = False
-    estimate: dict = field(default_factory=dict)
 
 
 def sweep_calls(target: str, extra: list[str]) -> list[list[str]]:
@@ -113,6 +90,12 @@ def sweep_calls(target: str, extra: list[str]) -> list[list[str]]:
 def expand(overrides: list[str]) -> list[list[str]]:
     """The jobs one `calm_lightning.run` call launches, by Hydra's basic sweeper: the grid
     in `hydra.sweeper.params` followed by the command line's task overrides."""
+    return expand_call(overrides)[0]
+
+
+def expand_call(overrides: list[str]) -> tuple[list[list[str]], bool]:
+    """`expand`'s jobs, and whether they run as a multirun (one sweep folder, whose base cache
+    the jobs share) rather than as one run in its own folder."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
@@ -120,10 +103,10 @@ def expand(overrides: list[str]) -> list[list[str]]:
     flag = any(o in ("--multirun", "-m") for o in overrides)
     overrides = [o for o in overrides if o not in ("--multirun", "-m")]
     parser = OverridesParser.create()
-    parsed = parser.parse_overrides(overrides)
+    parsed = _parse(parser, overrides)
     task = [o.input_line for o in parsed if not o.get_key_element().startswith("hydra.")]
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-    hydra_cfg = _compose(fixed, hydra=True).hydra
+    hydra_cfg = compose_run(fixed, hydra=True).hydra
     sweeper = str(hydra_cfg.sweeper.get("_target_", ""))
     if not sweeper.endswith("BasicSweeper"):
         raise ConfigError(
@@ -133,115 +116,20 @@ def expand(overrides: list[str]) -> list[list[str]]:
     params = [f"{k}={v}" for k, v in (hydra_cfg.sweeper.get("params") or {}).items()]
     multirun = hydra_cfg.mode == RunMode.MULTIRUN or flag
     if not multirun and not any(o.is_sweep_override() for o in parsed):
-        return [task]
-    (jobs,) = BasicSweeper.split_arguments(parser.parse_overrides(params + task), None)
-    return jobs
+        return [task], False
+    (jobs,) = BasicSweeper.split_arguments(_parse(parser, params + task), None)
+    return jobs, True
 
 
-def _compose(overrides: list[str], hydra: bool = False):
-    from hydra import compose, initialize_config_module
+def _parse(parser, overrides: list[str]):
+    """Hydra's parse of `overrides`; a malformed one as a one-line ConfigError."""
+    from hydra.errors import HydraException
 
-    import calm_lightning.runtime.resolvers  # noqa: F401  (registers the config resolvers)
-
-    with initialize_config_module("calm_lightning.conf", version_base="1.3"):
-        return compose("run", overrides=overrides, return_hydra_config=hydra)
-
-
-# Rows of hub datasets whose training split is "all the rest" (train_size: null), from their
-# dataset cards: PopQA is 14,267 questions in one split.
-HUB_ROWS = {"akariasai/PopQA": 14_267}
-
-
-def split_rows(node) -> int | None:
-    """How many rows a data node's split has, from its config (None: only the files know)."""
-    if "fit_fraction" in node and "source" in node:  # a fit / test carving of a pool
-        pool = split_rows(node.source)
-        fit = round(float(node.fit_fraction) * pool) if pool else None
-        return None if pool is None else (fit if node.get("part") == "fit" else pool - fit)
-    split = node.get("split")
-    size = None
-    if f"{split}_size" in node:  # alpaca-style: train_size / heldout_size / test_size
-        size = node.get(f"{split}_size")
-        if size is None and split == "train" and node.get("hub_id") in HUB_ROWS:
-            taken = [node.get(k) or 0 for k in ("eval_size", "heldout_size", "test_size")]
-            size = HUB_ROWS[node.hub_id] - sum(taken)
-    elif "sizes" in node and split in node.sizes:  # mcqa-style blocks
-        size = node.sizes[split]
-    limit = node.get("limit")
-    if size is None:
-        return limit
-    return min(int(size), int(limit)) if limit else int(size)
-
-
-def describe(overrides: list[str]) -> Job:
-    """Compose one job's config as `calm_lightning.run` would and read what it will do."""
-    cfg = _compose(overrides)
-    select = OmegaConf.select
-    setting, trainer, module = cfg.setting, cfg.trainer, cfg.method.get("module") or {}
-    job = Job(
-        overrides=overrides,
-        method=str(cfg.method.name),
-        model=_model_label(select(cfg, "model.name"), select(cfg, "model.shape", default=None)),
-        train_rows=split_rows(setting.train) if "train" in setting else None,
-        heldout_rows=split_rows(setting.heldout) if "heldout" in setting else None,
-        eval_rows=split_rows(setting.test) if "test" in setting else None,
-        batch=int(setting.get("batch_size", 1)),
-        eval_batch=int(setting.get("eval_batch_size", setting.get("batch_size", 1))),
-        max_length=int(setting.get("max_length", 1)),
-        compare_with_base=bool(select(cfg, "evaluation.compare_with_base", default=False)),
-    )
-    _describe_costs(job, cfg)
-    epochs = trainer.get("max_epochs")
-    if epochs and job.train_rows and job.method not in ("base", "ts"):
-        per_epoch = math.ceil(job.train_rows / job.batch)
-        limit = trainer.get("limit_train_batches")
-        if isinstance(limit, int):
-            per_epoch = min(per_epoch, limit)
-        elif isinstance(limit, float):
-            per_epoch = int(per_epoch * limit)
-        job.train_steps = int(epochs) * per_epoch
-        if int(trainer.get("max_steps", -1)) > 0:
-            job.train_steps = min(job.train_steps, int(trainer.max_steps))
-    if job.method in CALM_METHODS:
-        job.schedule = str(select(cfg, "method.module.surrogate.schedule", default="per_step"))
-        job.inner_steps = int(module.get("inner_steps", 1))
-        job.surrogate_steps = int(select(cfg, "method.module.surrogate.steps", default=1))
-    if job.method == "iterate":
-        job.lower_steps = int(module.get("lower_steps", 1))
-    return job
-
-
-def _describe_costs(job: Job, cfg) -> None:
-    """What the cost model needs from a composed config."""
-    select, setting = OmegaConf.select, cfg.setting
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    job.shape = cost_model.model_shape(model)
-    job.quantized = str(model.get("quantization", "auto")) in ("auto", "nf4")  # auto: nf4 on GPU
-    job.lora_r = int(select(cfg, "peft.r", default=0) or 0)
-    from calm_lightning.models.lora import checkpointing_enabled  # imports torch: not at --help
-
-    job.checkpointing = checkpointing_enabled(
-        select(cfg, "peft.gradient_checkpointing", default=False),
-        parameter_count(job.shape) if job.shape is not None else 0,
-    )
-    train_target = str(select(cfg, "setting.train._target_", default="") or "")
-    job.train_source = train_target.rsplit(".", 1)[-1] or None
-    job.heldout_batch = int(setting.get("heldout_batch_size") or job.batch)
-    job.eval_max_length = int(setting.get("eval_max_length", job.max_length))
-    test_target = str(select(cfg, "setting.test._target_", default="") or "")
-    if test_target.endswith("OpenQASource"):
-        openqa = cfg.evaluation.openqa
-        job.sampling = (int(openqa.n_samples), int(openqa.max_new_tokens))
-    # Only methods whose module takes the reference (daca, dual_align) load the PLM.
-    reference = select(cfg, "method.module.reference_model", default=None)
-    if reference is not None and str(reference.get("name", "none")) != "none":
-        ref = OmegaConf.to_container(reference, resolve=True)
-        job.reference_shape = cost_model.model_shape(ref)
-        job.reference_quantized = str(ref.get("quantization", "none")) == "nf4"
-
-
-def _model_label(name, shape) -> str:
-    return f"{name} (shape {shape})" if shape else str(name)
+    try:
+        return parser.parse_overrides(overrides)
+    except HydraException as err:
+        first = str(err).splitlines()[0]
+        raise ConfigError(f"{' '.join(overrides)}: not an override Hydra reads ({first})") from err
 
 
 def plan(target: str, extra: list[str], device: str | None = None,
@@ -251,10 +139,77 @@ def plan(target: str, extra: list[str], device: str | None = None,
     assumed utilisation with the measured one."""
     device = device or cost_model.default_device()
     measured = cost_model.calibrate(costs) if costs else None
-    jobs = [describe(job) for call in sweep_calls(target, extra) for job in expand(call)]
-    for job in jobs:
-        job.estimate = plan_costs.estimate(job, device, measured)
+    jobs = []
+    for index, call in enumerate(sweep_calls(target, extra)):
+        expanded, multirun = expand_call(call)
+        sweep = _sweep_folder(call, index) if multirun else None
+        jobs += [describe(job, sweep) for job in expanded]
+    price(jobs, device, measured)
     return jobs
+
+
+def _sweep_folder(call: list[str], index: int) -> str:
+    """The folder a multirun call's jobs share: its `hydra.sweep.dir`, else (the default
+    folder is stamped with the launch time) one of its own."""
+    for override in reversed(call):
+        if override.startswith("hydra.sweep.dir="):
+            return override.split("=", 1)[1]
+    return f"call {index}"
+
+
+def price(jobs: list[Job], device: str, measured: dict | None) -> None:
+    """Each job's estimate; a job whose base-cache entry an earlier job wrote reads that row
+    (`base_read_from`) and is charged no base-model evaluation."""
+    first: dict[str, int] = {}
+    for index, job in enumerate(jobs):
+        job.base_read_from = None
+        if job.base_key is not None and job.train_steps:
+            job.base_read_from = first.setdefault(job.base_key, index)
+            if job.base_read_from == index:
+                job.base_read_from = None
+        job.estimate = plan_costs.estimate(job, device, measured)
+
+
+def other_budgets(jobs: list[Job], device: str, measured: dict | None) -> dict[str, float]:
+    """The sweep's total GPU-hours under each other option of conf/budget/: every job composed
+    again with `budget=` swapped (the rest of its overrides as they are)."""
+    used = {j.budget for j in jobs}
+    if None in used:  # a config tree without the budget group
+        return {}
+    totals = {}
+    for name in group_options("budget"):
+        if used == {name}:
+            continue
+        swapped = []
+        for job in jobs:
+            overrides = [o for o in job.overrides if not o.startswith("budget=")]
+            swapped.append(describe([*overrides, f"budget={name}"], _sweep_of(job)))
+        price(swapped, device, measured)
+        totals[name] = sum(j.estimate.get("gpu_hours", 0.0) for j in swapped)
+    return totals
+
+
+def _sweep_of(job: Job) -> str | None:
+    """The sweep folder a described job was given (kept in its base-cache key)."""
+    return json.loads(job.base_key)["folder"] if job.base_key else None
+
+
+def budget_line(jobs: list[Job]) -> str:
+    """Which budget the plan priced, and what it means for the epochs."""
+    budgets = sorted({(j.budget, j.bilevel_epoch_batches) for j in jobs}, key=str)
+    if budgets == [(None, None)]:
+        return "budget: none (no conf/budget group): every epoch is every batch"
+    parts = []
+    for name, size in budgets:
+        if size:
+            parts.append(
+                f"budget: {name} (bilevel epochs of {size} batches: an epoch of CALM and Iterate "
+                f"is {size} training batches, as the paper's Appendix C.2 and Table 10 read; "
+                "the other methods run every batch)"
+            )
+        else:
+            parts.append(f"budget: {name} (every method's epoch is every batch)")
+    return "; ".join(parts)
 
 
 def _hours(seconds) -> str:
@@ -263,7 +218,9 @@ def _hours(seconds) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 360 else f"{seconds:.0f} s"
 
 
-def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None) -> None:
+def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None,
+               others: dict[str, float] | None = None) -> None:  # fmt: skip
+    """The plan as text; `others`: the sweep's total under each other budget."""
     common = set.intersection(*(set(j.overrides) for j in jobs)) if jobs else set()
     spec = cost_model.get_device(device)
     print(f"{len(jobs)} jobs; every job has: {' '.join(sorted(common))}")
@@ -271,6 +228,7 @@ def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None) 
         f"device: {device} ({spec.label}: {spec.peak_tflops:g} TFLOP/s bf16 dense, "
         f"{spec.memory_gib:g} GiB); cost model: calm_lightning/cost_model.py"
     )
+    print(budget_line(jobs))
     if measured:
         print(
             f"utilisation measured on {measured['file_device']}: training "
@@ -282,7 +240,8 @@ def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None) 
     print()
     for index, job in enumerate(jobs):
         own = " ".join(o for o in job.overrides if o not in common)
-        print(f"#{index:<3d} {job.method:8s} steps {job.train_steps:6d}  {own}")
+        epochs = f" ({job.epochs} x {job.epoch_batches})" if job.train_steps else ""
+        print(f"#{index:<3d} {job.method:8s} steps {job.train_steps:6d}{epochs}  {own}")
         e = job.estimate
         if "gpu_hours" not in e:
             print(f"      no estimate: {e['basis']}")
@@ -293,6 +252,8 @@ def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None) 
             f"      {step}{e['gpu_hours']:.2f} GPU-h (train {_hours(e['train_s'])}, eval "
             f"{_hours(e['eval_s'])}), peak {e['peak_gib']:.1f} GiB{fits}"
         )
+        if job.base_read_from is not None:
+            print(f"      base model: read from #{job.base_read_from}'s base cache, not scored")
         if "checkpointed_peak_gib" in e:
             print(
                 f"      with peft.gradient_checkpointing=true: peak "
@@ -309,29 +270,76 @@ def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None) 
             print(f"      {paper}")
     known = [j.estimate["gpu_hours"] for j in jobs if "gpu_hours" in j.estimate]
     print()
-    if known:
-        peak = max(j.estimate["peak_gib"] for j in jobs if "peak_gib" in j.estimate)
-        print(
-            f"total: {sum(known):.1f} GPU-hours on {device} for {len(known)} of {len(jobs)} "
-            f"jobs; largest peak {peak:.1f} GiB"
-        )
-        print(
-            f"SLURM (hydra/launcher=slurm): hydra.launcher.timeout_min="
-            f"{slurm_timeout_min(max(known))} covers the longest job with a "
-            f"{SLURM_MARGIN:.0%} margin"
-        )
-    else:
+    if not known:
         print("total: no estimate")
+        return
+    peak = max(j.estimate["peak_gib"] for j in jobs if "peak_gib" in j.estimate)
+    print(
+        f"total: {sum(known):.1f} GPU-hours on {device} for {len(known)} of {len(jobs)} "
+        f"jobs; largest peak {peak:.1f} GiB"
+    )
+    for name, hours in (others or {}).items():
+        print(f"  with budget={name}: {hours:.1f} GPU-hours (the same jobs, budget swapped)")
+    print(base_cache_line(jobs))
+    slurm = slurm_suggestion(max(known), jobs)
+    print(
+        f"SLURM (hydra/launcher=slurm): hydra.launcher.timeout_min={slurm['timeout_min']} "
+        f"covers the longest job with a {SLURM_MARGIN:.0%} margin; at the launcher's "
+        f"{slurm['limit_min']}-minute limit instead, hydra.launcher.max_num_timeout="
+        f"{slurm['max_num_timeout']} (ceil({slurm['timeout_min']} / {slurm['limit_min']}) "
+        "requeues, each resuming from the last checkpoint)"
+    )
 
 
-def plan_record(jobs: list[Job], device: str, measured: dict | None) -> dict:
-    """The plan as json: one record per job, the device and the totals."""
+def base_cache_line(jobs: list[Job]) -> str:
+    """How often the plan charges the base model's evaluation (`compare_with_base`)."""
+    training = [j for j in jobs if j.train_steps and j.compare_with_base]
+    if not training:
+        return "base model: no training job compares with it"
+    scored = [j for j in training if j.base_read_from is None]
+    cached = len({j.base_key for j in training if j.base_key is not None})
+    return (
+        f"base model: scored by {len(scored)} of {len(training)} training jobs "
+        f"({cached} base-cache entries; evaluation.base_cache: the other jobs of a sweep with "
+        "the same model, test data and scoring read the first one's row)"
+    )
+
+
+def slurm_limit_min(jobs: list[Job]) -> int:
+    """The SLURM launcher's wall-clock limit per job: a `hydra.launcher.timeout_min=` every
+    job passes, else conf/hydra/launcher/slurm.yaml's."""
+    given = {o.split("=", 1)[1] for j in jobs for o in j.overrides
+             if o.startswith("hydra.launcher.timeout_min=")}  # fmt: skip
+    if len(given) == 1 and all(
+        any(o.startswith("hydra.launcher.timeout_min=") for o in j.overrides) for j in jobs
+    ):
+        return int(given.pop())
+    launcher = resources.files(CONF_PACKAGE).joinpath("hydra", "launcher", "slurm.yaml")
+    return int(OmegaConf.create(launcher.read_text()).timeout_min)
+
+
+def slurm_suggestion(longest_gpu_hours: float, jobs: list[Job]) -> dict:
+    """Two ways to run the longest job under SLURM, from the same estimate with the margin: a
+    limit that covers it (`timeout_min`), or the launcher's limit with as many requeues as it
+    takes limits (`max_num_timeout`: ceil(that time / limit); each requeue resumes from the
+    last checkpoint, and counting whole limits leaves room for the work lost at each cut)."""
+    needed = slurm_timeout_min(longest_gpu_hours)
+    limit = slurm_limit_min(jobs)
+    return {"timeout_min": needed, "limit_min": limit, "max_num_timeout": math.ceil(needed / limit)}
+
+
+def plan_record(jobs: list[Job], device: str, measured: dict | None,
+                others: dict[str, float] | None = None) -> dict:  # fmt: skip
+    """The plan as json: one record per job, the device, the budget and the totals."""
     records = [
         {
             "method": j.method,
             "model": j.model,
             "overrides": j.overrides,
             "steps": j.train_steps,
+            "epochs": j.epochs,
+            "epoch_batches": j.epoch_batches,
+            "base_read_from": j.base_read_from,
             **{
                 k: j.estimate.get(k)
                 for k in (
@@ -350,14 +358,23 @@ def plan_record(jobs: list[Job], device: str, measured: dict | None) -> dict:
     ]
     hours = [r["gpu_hours"] for r in records if r["gpu_hours"] is not None]
     peaks = [r["peak_gib"] for r in records if r["peak_gib"] is not None]
+    slurm = slurm_suggestion(max(hours), jobs) if hours else {}
     return {
         "device": device,
         "device_spec": vars(cost_model.get_device(device)),
         "utilisation": measured or {"assumed": cost_model.UTILISATION},
+        "budget": sorted({j.budget for j in jobs}, key=str),
+        "budget_line": budget_line(jobs),
         "jobs": records,
         "total_gpu_hours": sum(hours),
+        "other_budgets_gpu_hours": others or {},
+        "base_model_scored_by": sum(
+            1 for j in jobs if j.train_steps and j.compare_with_base and j.base_read_from is None
+        ),
         "max_peak_gib": max(peaks) if peaks else None,
-        "slurm_timeout_min": slurm_timeout_min(max(hours)) if hours else None,
+        "slurm_timeout_min": slurm.get("timeout_min"),
+        "slurm_limit_min": slurm.get("limit_min"),
+        "max_num_timeout": slurm.get("max_num_timeout"),
     }
 
 
@@ -385,11 +402,12 @@ def command(args, parser) -> int:
     device = args.device or cost_model.default_device()
     measured = cost_model.calibrate(costs) if costs else None
     jobs = plan(args.target, args.overrides, device, costs)
+    others = other_budgets(jobs, device, measured)
     print(f"plan: {args.target} {shlex.join(args.overrides)}")
-    print_plan(jobs, device, measured, costs)
+    print_plan(jobs, device, measured, costs, others)
     if args.json:
-        record = plan_record(jobs, device, measured)
-        record["command"] = shlex.join(["python -m calm_lightning.plan", args.target,
+        record = plan_record(jobs, device, measured, others)
+        record["command"] = shlex.join(["python", "-m", "calm_lightning.plan", args.target,
                                         *args.overrides, "--device", device])  # fmt: skip
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.json}")

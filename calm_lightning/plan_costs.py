@@ -68,9 +68,12 @@ def _train(job, shape, device, share) -> tuple[float, float]:
 
 
 def _evaluation(job, shape, device, share) -> float:
-    """Seconds of the job's forwards and sampling outside its training steps."""
+    """Seconds of the job's forwards and sampling outside its training steps. A training job
+    that compares with the base model scores it too, unless an earlier job of its sweep did
+    and it reads that row from the base cache (`base_read_from`, plan.price)."""
     fwd = cm.forward_flops(shape, job.eval_max_length, cm.lora_parameters(shape, job.lora_r))
-    passes = 2 if job.compare_with_base and job.train_steps else 1
+    scores_base = job.compare_with_base and job.train_steps
+    passes = 2 if scores_base and getattr(job, "base_read_from", None) is None else 1
     rows = (job.eval_rows or 0) * passes + (job.heldout_rows or 0) * (job.method == "ts")
     total = cm.seconds(rows * job.eval_max_length * fwd, device, share)
     if job.method in FORWARD_FIRST and job.train_steps:
@@ -178,11 +181,16 @@ def paper_comparison(job, estimate_: dict) -> str | None:
     if key not in cm.PAPER_TABLE10 or "gpu_hours" not in estimate_:
         return None
     text, paper_s, paper_gb = cm.PAPER_TABLE10[key]
-    line = f"paper Table 10 (A100 40G, 7-8B, 5 epochs): {text}, ~{paper_gb} GB"
+    line = f"paper Table 10 (A100 40G, 7-8B, in-domain, 5 epochs): {text}, ~{paper_gb} GB"
     if job.train_steps:
         line += (
-            f"; this job: {job.train_steps} steps, {estimate_['train_s'] / 3600:.1f} h of "
-            f"training ({estimate_['train_s'] / paper_s:.0f}x), "
+            f"; this job: {job.train_steps} steps, {_minutes(estimate_['train_s'])} of "
+            f"training ({estimate_['train_s'] / paper_s:.1f}x), "
             f"{estimate_['peak_gib']:.0f} GiB"
         )
     return line
+
+
+def _minutes(seconds: float) -> str:
+    """A duration as Table 10 writes it: minutes under two hours, else hours."""
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"

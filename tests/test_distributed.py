@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -755,6 +756,30 @@ def test_gpu_check_script_refuses_bad_arguments_and_machines_without_a_gpu():
         cwd=ROOT, env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 1 and "FAIL cuda: no CUDA GPU" in done.stdout
+
+
+def test_gpu_check_runs_from_a_checkout_root_with_its_default_output_folder(tmp_path):
+    """As the README runs it: `bash scripts/gpu_check.sh --cpu` from the repository root, with
+    the default --out (outputs/gpu_check, relative). `file://outputs/gpu_check/...` named
+    `outputs` as the URL's host and the collectives check failed ("No such file or
+    directory"; with torch 2.13 on a CPU it waited on the store until this test's timeout). The
+    checkout is a copy of the script beside this package, so the repository's
+    own outputs/ is left alone."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    shutil.copy(GPU_CHECK, checkout / "scripts" / "gpu_check.sh")
+    (checkout / "calm_lightning").symlink_to(ROOT / "calm_lightning")
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--cpu", "--only", "collectives"],
+        cwd=checkout, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.startswith("PASS collectives"), done.stdout
+    out = checkout / "outputs" / "gpu_check"
+    record = json.loads((out / "gpu_check.json").read_text())
+    assert [c["status"] for c in record["checks"]] == ["PASS"]
+    assert (out / "collectives" / "store").parent.is_dir()
 
 
 @pytest.mark.integration

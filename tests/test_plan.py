@@ -5,13 +5,16 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
 
-from calm_lightning import cost_model, plan, plan_costs
+from calm_lightning import cost_model, plan, plan_costs, plan_jobs
 from calm_lightning.errors import ConfigError
 from calm_lightning.models import shapes
 from calm_lightning.models.lora import checkpointing_enabled
@@ -79,8 +82,8 @@ def test_a_reg_job_costs_its_steps_times_the_flops_of_one_pass():
     alpaca = OmegaConf.load(ROOT / "conf" / "data" / "alpaca.yaml")
     epochs = OmegaConf.load(ROOT / "conf" / "method_setting" / "reg_ood.yaml").method.epochs
     setting = OmegaConf.load(ROOT / "conf" / "setting" / "ood.yaml")
-    steps = math.ceil(alpaca.train_size / setting.batch_size) * epochs
-    assert job["steps"] == steps  # 48,002 rows / 16 x 30 epochs (the paper's OOD reg)
+    steps = alpaca.train_size // setting.batch_size * epochs  # the sampler drops a partial batch
+    assert job["steps"] == steps == 90_000  # 48,002 rows / 16 x 30 epochs (the paper's OOD reg)
     # By hand, OLMo-2-7B (4096 wide, 32 layers, MLP 11008, vocabulary 100,352): 7,298,617,344
     # parameters less the 100,352 x 4096 input embedding; LoRA r = 64 on q, k, v, o (4096 ->
     # 4096), gate, up (4096 -> 11008) and down. 7.3B parameters turn `auto` checkpointing on,
@@ -108,8 +111,15 @@ def test_table1_for_olmo2_on_an_a100_has_the_issues_orders_of_magnitude(olmo2_pl
     for job in calm:  # T = 20 passes + a forward + the entropy pass: ~21.5 reg steps
         assert 10 < job["step_s"] / reg["step_s"] < 30
     assert olmo2_plan["total_gpu_hours"] == pytest.approx(sum(j["gpu_hours"] for j in jobs))
-    longest = max(j["gpu_hours"] for j in jobs)  # a CALM job: far over the launcher's 12 h
+    longest = max(j["gpu_hours"] for j in jobs)  # a reg job (30 epochs): over the launcher's 12 h
     assert olmo2_plan["slurm_timeout_min"] == math.ceil(longest * 60 * 1.25) > 720
+    assert olmo2_plan["slurm_limit_min"] == 720  # conf/hydra/launcher/slurm.yaml
+    assert olmo2_plan["max_num_timeout"] == math.ceil(olmo2_plan["slurm_timeout_min"] / 720)
+    # budget=paper (the default): 100 outer steps per CALM job, the whole table under 400 GPU-h;
+    # every batch (budget=full) is the 15,000-step CALM jobs, ten times as much
+    assert olmo2_plan["budget"] == ["paper"] and all(j["steps"] == 100 for j in calm)
+    assert 100 < olmo2_plan["total_gpu_hours"] < 400
+    assert olmo2_plan["other_budgets_gpu_hours"]["full"] > 8 * olmo2_plan["total_gpu_hours"]
 
 
 def test_calm_peak_fits_an_a100_with_auto_checkpointing_and_not_without():
@@ -242,10 +252,151 @@ def test_a_gpu_cost_file_prints_its_calm_step_against_the_pass_count(tmp_path, c
      ("NVIDIA L4", 22, "a100_40g")],
 )  # fmt: skip
 def test_the_default_device_is_the_local_gpu_else_the_papers_a100(monkeypatch, name, gib, device):
-    import torch
+    """The local GPU as nvidia-smi lists it (the plan never imports torch)."""
+    asked = []
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
-    props = type("Props", (), {"total_memory": gib * 2**30})()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+    def smi(command, **kwargs):
+        asked.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout=f"{name}, {gib * 1024}\n")
+
+    monkeypatch.setattr(cost_model.subprocess, "run", smi)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
     assert cost_model.default_device() == device
+    assert asked[0][0] == "nvidia-smi" and asked[0][-2:] == ["--id", "3"]
+
+
+def test_without_nvidia_smi_the_default_device_is_the_papers_a100(monkeypatch):
+    def missing(command, **kwargs):
+        raise FileNotFoundError(command[0])
+
+    monkeypatch.setattr(cost_model.subprocess, "run", missing)
+    assert cost_model.default_device() == "a100_40g"
+
+
+# ----- budgets: the epoch of the bilevel methods (conf/budget, docs/calm.md) -----
+
+
+def _grid_plan(grid: str, *extra: str) -> list[plan.Job]:
+    return plan.plan(f"+sweep={grid}", ["model=olmo2", "setting=id", *extra], "a100_40g")
+
+
+@pytest.mark.parametrize(("grid", "method"), [("calm_id", "calm"), ("reg", "reg"),
+                                              ("iterate", "iterate")])  # fmt: skip
+def test_the_paper_budget_lands_within_2x_of_table10_in_domain(grid, method):
+    """Table 10 (OLMo-2-class 7B on an A100 40G, in-domain, 5 epochs): CALM ~2 h, Reg ~35 min,
+    Iterate ~5 min. budget=paper (the default) prices a bilevel epoch at 20 batches: 100 outer
+    steps for CALM and Iterate; reg runs its 5 x 125 batches either way."""
+    (job, *_) = _grid_plan(grid)
+    assert job.method == method and job.budget == "paper"
+    assert job.train_steps == (625 if method == "reg" else 100)
+    paper_s = cost_model.PAPER_TABLE10[method][1]
+    assert 0.5 < job.estimate["train_s"] / paper_s < 2
+    assert "this job: " in plan_costs.paper_comparison(job, job.estimate)
+
+
+def test_the_full_budget_runs_every_batch_and_misses_table10_for_calm():
+    (full, *_) = _grid_plan("calm_id", "budget=full")
+    (paper, *_) = _grid_plan("calm_id", "budget=paper")
+    assert full.budget == "full" and full.epoch_batches == 125 and full.train_steps == 625
+    assert full.estimate["step_s"] == pytest.approx(paper.estimate["step_s"])
+    assert full.estimate["train_s"] / cost_model.PAPER_TABLE10["calm"][1] > 5  # ~12 h
+    assert "budget: full (every method's epoch is every batch)" in plan.budget_line([full])
+    assert "budget: paper (bilevel epochs of 20 batches" in plan.budget_line([paper])
+
+
+@pytest.mark.parametrize(
+    ("rows", "batch", "epoch_batches", "limit", "expected"),
+    [(2000, 16, None, None, 125), (2000, 16, 20, None, 20), (2000, 16, 20, 12, 12),
+     (2000, 16, None, 0.5, 62), (2000, 16, 20, 0.5, 10), (48_002, 16, None, None, 3000),
+     (100, 16, 20, None, 6), (None, 16, 20, None, 20), (None, 16, None, None, 0),
+     (2000, 16, None, 1.0, 125)],
+)  # fmt: skip
+def test_an_epoch_is_what_the_sampler_and_the_trainer_let_through(
+    rows, batch, epoch_batches, limit, expected
+):
+    """rows // batch (the last partial batch dropped), then the budget's epoch, then
+    trainer.limit_train_batches as a count or a fraction of that."""
+    assert plan_jobs.batches_per_epoch(rows, batch, epoch_batches, limit) == expected
+
+
+def test_a_trainer_limit_or_the_methods_own_epoch_size_wins_over_the_budget():
+    """The demo method settings keep their trainer.limit_train_batches and set
+    method.epoch_batches=null; both are read from the composed config."""
+    (job, *_) = _grid_plan("calm_id", "trainer.limit_train_batches=7")
+    assert job.epoch_batches == 7 and job.train_steps == 35
+    (job, *_) = _grid_plan("calm_id", "method.epoch_batches=null")
+    assert job.epoch_batches == 125  # every batch, whatever the budget
+
+
+def test_the_base_model_is_charged_once_per_base_cache_entry_of_a_sweep():
+    """evaluation.base_cache (the default) scores the untouched model once per sweep folder
+    and key (runtime/base_cache.py): the grid's first job pays for it, the others read it."""
+    jobs = _grid_plan("calm_id")
+    assert [j.base_read_from for j in jobs] == [None, 0, 0, 0, 0, 0]
+    first, later = jobs[0].estimate["eval_s"], jobs[1].estimate["eval_s"]
+    assert first == pytest.approx(2 * later)  # base + method, against the method alone
+    off = _grid_plan("calm_id", "evaluation.base_cache=false")
+    assert all(j.base_read_from is None for j in off)
+    assert all(j.estimate["eval_s"] == pytest.approx(first) for j in off)
+    # a head that differs is another entry (the fingerprint holds the head)
+    (vector, scalar) = plan.plan("+sweep=calm_id", ["model=olmo2", "setting=id",
+                                 "method.head.kind=vector,scalar",
+                                 "method.module.lower_lr=1e-3", "method.module.upper_lr=1e-5"],
+                                 "a100_40g")  # fmt: skip
+    assert vector.base_read_from is None and scalar.base_read_from is None
+
+
+def test_the_plan_prints_its_budget_the_other_budgets_total_and_both_slurm_settings(
+    tmp_path, capsys
+):
+    out_json = tmp_path / "plan.json"
+    args = ["+sweep=calm_id", "model=olmo2", "setting=id", "--device", "a100_40g"]
+    assert plan.main([*args, "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    record = json.loads(out_json.read_text())
+    assert "budget: paper (bilevel epochs of 20 batches" in out
+    full = record["other_budgets_gpu_hours"]["full"]
+    assert f"with budget=full: {full:.1f} GPU-hours" in out
+    assert full > 5 * record["total_gpu_hours"]
+    assert "base model: scored by 1 of 6 training jobs" in out
+    assert record["base_model_scored_by"] == 1
+    timeout, requeues = record["slurm_timeout_min"], record["max_num_timeout"]
+    assert requeues == math.ceil(timeout / 720) == 1  # a ~2 h CALM job fits the 12 h limit
+    assert f"hydra.launcher.timeout_min={timeout}" in out
+    assert f"hydra.launcher.max_num_timeout={requeues}" in out
+    # a job longer than the limit: as many requeues as it takes limits (the margin included)
+    jobs = [plan.Job(overrides=["hydra.launcher.timeout_min=60"], method="calm", model="x")]
+    assert plan.slurm_suggestion(2.0, jobs) == {"timeout_min": 150, "limit_min": 60,
+                                                "max_num_timeout": 3}  # fmt: skip
+    assert plan.slurm_suggestion(10.0, [])["max_num_timeout"] == math.ceil(750 / 720) == 2
+
+
+def test_an_unknown_budget_is_refused_in_one_line_naming_the_allowed_ones(capsys):
+    assert plan.main(["+sweep=reg", "model=olmo2", "budget=nonsense"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (
+        "error: budget=nonsense: conf/budget/ has no option 'nonsense'; choose one of full, paper"
+    )
+    assert plan.main([str(SCRIPT), "model=olmo2", "budget=nonsense"]) == 1
+    assert "choose one of full, paper" in capsys.readouterr().err
+
+
+def test_a_whole_plan_and_its_help_never_import_torch():
+    """`plan --help` and a whole plan (a sweep script, every job composed twice, the default
+    device asked of nvidia-smi) in a fresh interpreter: torch stays out of sys.modules."""
+    code = textwrap.dedent(f"""
+        import contextlib, io, sys
+        from calm_lightning import plan
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                plan.main(["--help"])
+            except SystemExit:
+                pass
+            assert plan.main([{str(SCRIPT)!r}, "model=olmo2"]) == 0
+        heavy = ("torch", "lightning", "transformers", "peft")
+        print(sorted(m for m in heavy if m in sys.modules))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"

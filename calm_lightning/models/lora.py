@@ -1,14 +1,20 @@
 """LoRA through peft: target every linear layer except the output projection (by introspection),
-with the QLoRA preparation order when the base model is 4-bit."""
+with the QLoRA preparation order when the base model is 4-bit.
+
+torch and peft are imported where they are used: the planner reads this module's
+checkpointing rule (`checkpointing_enabled`) and must not import torch (`plan --help` and a
+whole plan stay torch-free)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
 from calm_lightning.config_rules import Either, Flag, ListOf, Number, OneOf, Text, check_values
+
+if TYPE_CHECKING:
+    from torch import nn
 
 PEFT_METHODS = ("lora", "none")  # `peft.method`: LoRA adapters, or none (the model as loaded)
 # The `peft` group's keys (conf/peft/*.yaml); any other LoraConfig argument passes through
@@ -47,6 +53,8 @@ def checkpointing_enabled(value, parameters: int) -> bool:
 
 def linear_layer_names(model: nn.Module) -> list[str]:
     """Leaf names of all linear layers except the LM head (found by identity, not by name)."""
+    from torch import nn
+
     output = model.get_output_embeddings()
     names = set()
     for full_name, module in model.named_modules():

@@ -1,15 +1,17 @@
-"""OmegaConf resolvers used by the config tree and run-time choices derived from the hardware."""
+"""OmegaConf resolvers used by the config tree and run-time choices derived from the hardware.
+
+torch is imported when a resolver runs, not when they are registered: the planner composes
+configs with these resolvers registered and never resolves them, and stays torch-free."""
 
 from __future__ import annotations
 
-import torch
 from omegaconf import OmegaConf
-
-from calm_lightning.runtime.parallel import job_devices
 
 
 def cuda_available() -> bool:
     """True when a CUDA device can be used (the GPU path: bf16, 4-bit QLoRA)."""
+    import torch
+
     return torch.cuda.is_available()
 
 
@@ -22,6 +24,8 @@ def auto_precision() -> str:
     metrics cannot tolerate. Not fp16 on older GPUs: CALM writes its direction into `.grad`
     by hand, which fp16 loss scaling cannot handle, and the default method must run.
     """
+    import torch
+
     if cuda_available() and torch.cuda.is_bf16_supported():
         return "bf16-mixed"
     return "32-true"
@@ -30,6 +34,14 @@ def auto_precision() -> str:
 def resolve_precision(value: str | int) -> str | int:
     """Map `auto` to the hardware default, pass anything else to Lightning unchanged."""
     return auto_precision() if str(value) == "auto" else value
+
+
+def job_devices():
+    """`${calm_job_device:}`: runtime/parallel.py's `job_devices` (imported when resolved: the
+    parallel launcher's helpers import torch)."""
+    from calm_lightning.runtime.parallel import job_devices as devices
+
+    return devices()
 
 
 def register_resolvers() -> None:

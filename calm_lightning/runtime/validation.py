@@ -36,7 +36,11 @@ RUN_RULES = {
     "oversubscribe_gpus": Flag(),
 }
 # The `method` group's keys besides `module` and `head`: `epochs` for the methods that train.
-METHOD_RULES = {"name": Text(required=True), "epochs": Number(minimum=1, integer=True)}
+METHOD_RULES = {
+    "name": Text(required=True),
+    "epochs": Number(minimum=1, integer=True),
+    "epoch_batches": Number(minimum=1, integer=True, optional=True),
+}
 # A reference model (conf/reference_model/*.yaml) is a model node that names its PoLM.
 REFERENCE_MODEL_RULES = {**MODEL_RULES, "pairs_with": Text(optional=True)}
 
