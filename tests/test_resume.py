@@ -81,24 +81,15 @@ class KillAtStep(L.Callback):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("kill_at", [4, 5], ids=["epoch1-batch1", "epoch1-batch2"])
-def test_a_mid_epoch_kill_resumes_exactly_in_the_same_folder(tmp_path, compose, kill_at):
+def test_a_mid_epoch_kill_resumes_exactly_in_the_same_folder(
+    tmp_path, compose, resume_overrides, kill_at
+):
     """Checkpoints after every step; killed inside the second epoch and relaunched with the
     same command (ckpt_path=auto): the loaders continue where they stopped, so the metrics
     equal the uninterrupted run's, and the attempts say where each start began."""
-    run = [
-        "model=tiny",
-        "method=calm",
-        "peft.r=4",
-        "setting.test.limit=8",
-        "trainer.limit_train_batches=3",
-        "trainer.max_epochs=2",
-        "method.module.inner_steps=1",
-        "method.module.upper_lr=0.05",
-        "evaluation.compare_with_base=false",
-        "trainer.enable_progress_bar=false",
-        "logger=none",
-        "callbacks.periodic.every_n_train_steps=1",
-    ]
+    # later overrides of a key win: 3 batches per epoch, a checkpoint after every step
+    extra = ["trainer.limit_train_batches=3", "callbacks.periodic.every_n_train_steps=1"]
+    run = [*resume_overrides, *extra]
     full = run_experiment(compose(run, tmp_path / "full")).metrics
     kill = [f"+callbacks.kill._target_={__name__}.KillAtStep", f"+callbacks.kill.step={kill_at}"]
     with pytest.raises(RuntimeError, match="simulated kill"):
