@@ -4,7 +4,7 @@ compute of a step follows the expected longest of `batch` rows, not `setting.max
 Reads instruction data in Alpaca's schema (json / jsonl: `instruction`, `input`, `output`),
 renders each row as the training collator does (chat template, prompt cut from the left at
 `--max-length`), and prints the mean and 99th percentile of the longest row of random batches.
-The plan's cost model (calm_lightning/plan_costs.py: EXPECTED_WIDTH) holds the figures this
+The plan's cost model (calm_lightning/planning/passes.py: EXPECTED_WIDTH) holds the figures this
 printed on real Alpaca rows with the embedded SmolLM2 tokenizer; rerun it to update them:
 
     python benchmarks/padded_width.py --files alpaca_train.jsonl \

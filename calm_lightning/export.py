@@ -23,7 +23,7 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from calm_lightning.cli import command_main, key_value_arguments, parse_bool
+from calm_lightning.arguments import key_value_arguments, parse_bool
 from calm_lightning.errors import ExportError
 
 USAGE = (
@@ -90,6 +90,8 @@ def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m calm_lightning.export`: the same as `python -m calm_lightning export`."""
+    from calm_lightning.cli import command_main
+
     return command_main("export", argv)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from calm_lightning.cli import command_main, key_value_arguments, parse_bool, parse_list
+from calm_lightning.arguments import key_value_arguments, parse_bool, parse_list
 from calm_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,8 @@ def command(args, parser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m calm_lightning.retention`: the same as `python -m calm_lightning retention`."""
+    from calm_lightning.cli import command_main
+
     return command_main("retention", argv)
 
 

@@ -14,14 +14,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from calm_lightning.cli import (
-    COMMANDS,
-    build_parser,
-    key_value_arguments,
-    main,
-    parse_bool,
-    parse_list,
-)
+from calm_lightning.arguments import key_value_arguments, parse_bool, parse_list
+from calm_lightning.cli import COMMANDS, build_parser, main
 from calm_lightning.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,14 +14,16 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from calm_lightning import cost_model, plan, plan_costs, plan_jobs
+from calm_lightning import plan
 from calm_lightning.errors import ConfigError
 from calm_lightning.models import shapes
 from calm_lightning.models.lora import checkpointing_enabled
+from calm_lightning.planning import cost_model, passes
+from calm_lightning.planning import jobs as planned_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "multirun_sweeps" / "table1_mcqa_ood.sh"
-COSTS = ROOT / "benchmarks" / "results" / "calm_step_random_small_cpu.json"
+COSTS = ROOT / "results" / "calm_step_random_small_cpu.json"
 
 
 def _grid(name: str, **replace: str) -> set[frozenset]:
@@ -158,12 +160,12 @@ def test_training_batches_are_priced_at_their_padded_width():
     other training data at max_length, and never above it."""
     measured = json.loads((ROOT / "results" / "padded_width_alpaca.json").read_text())
     for size, entry in measured["padded_width"].items():
-        assert plan_costs.EXPECTED_WIDTH["AlpacaSource"][int(size)] == entry["mean"]
+        assert passes.EXPECTED_WIDTH["AlpacaSource"][int(size)] == entry["mean"]
     job = SimpleNamespace(train_source="AlpacaSource", max_length=512)
-    assert plan_costs.batch_width(job, 16)[0] == measured["padded_width"]["16"]["mean"]
-    assert plan_costs.batch_width(SimpleNamespace(train_source="AlpacaSource", max_length=128),
+    assert passes.batch_width(job, 16)[0] == measured["padded_width"]["16"]["mean"]
+    assert passes.batch_width(SimpleNamespace(train_source="AlpacaSource", max_length=128),
                                   16)[0] == 128  # fmt: skip
-    assert plan_costs.batch_width(SimpleNamespace(train_source="McqaSource", max_length=512),
+    assert passes.batch_width(SimpleNamespace(train_source="McqaSource", max_length=512),
                                   16) == (512.0, "max_length (upper bound)")  # fmt: skip
 
 
@@ -291,7 +293,7 @@ def test_the_paper_budget_lands_within_2x_of_table10_in_domain(grid, method):
     assert job.train_steps == (625 if method == "reg" else 100)
     paper_s = cost_model.PAPER_TABLE10[method][1]
     assert 0.5 < job.estimate["train_s"] / paper_s < 2
-    assert "this job: " in plan_costs.paper_comparison(job, job.estimate)
+    assert "this job: " in passes.paper_comparison(job, job.estimate)
 
 
 def test_the_full_budget_runs_every_batch_and_misses_table10_for_calm():
@@ -316,7 +318,7 @@ def test_an_epoch_is_what_the_sampler_and_the_trainer_let_through(
 ):
     """rows // batch (the last partial batch dropped), then the budget's epoch, then
     trainer.limit_train_batches as a count or a fraction of that."""
-    assert plan_jobs.batches_per_epoch(rows, batch, epoch_batches, limit) == expected
+    assert planned_jobs.batches_per_epoch(rows, batch, epoch_batches, limit) == expected
 
 
 def test_a_trainer_limit_or_the_methods_own_epoch_size_wins_over_the_budget():

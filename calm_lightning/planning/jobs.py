@@ -1,7 +1,7 @@
 """What one job of a sweep will do, read from the config `calm_lightning.run` composes for it:
 its data and batches, its epochs (`batches_per_epoch`: the budget's epoch of the bilevel
 methods), its method's passes, its model's shape and its base-cache entry (`base_cache_key`).
-plan.py lists a sweep's jobs; plan_costs.py prices each. Nothing here imports torch.
+plan.py lists a sweep's jobs; passes.py prices each. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from importlib import resources
 
 from omegaconf import OmegaConf
 
-from calm_lightning import cost_model
 from calm_lightning.errors import ConfigError
 from calm_lightning.models.lora import checkpointing_enabled
 from calm_lightning.models.shapes import Shape, parameter_count
-from calm_lightning.plan_costs import CALM_METHODS
+from calm_lightning.planning import cost_model
+from calm_lightning.planning.passes import CALM_METHODS
 from calm_lightning.runtime.base_cache import NOT_MODEL, NOT_SCORING
 
 CONF_PACKAGE = "calm_lightning.conf"  # the config tree (top-level conf/ in a checkout)
@@ -54,7 +54,7 @@ class Job:
     lora_r: int = 0
     checkpointing: bool = False
     sampling: tuple[int, int] | None = None  # open QA: (samples, max new tokens) per question
-    train_source: str | None = None  # the training data's source class (plan_costs widths)
+    train_source: str | None = None  # the training data's source class (passes.py widths)
     reference_shape: Shape | None = None  # post-hoc methods' pre-trained reference model
     reference_quantized: bool = False
     estimate: dict = field(default_factory=dict)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from calm_lightning import cost_model as cm
+from calm_lightning.planning import cost_model as cm
 
 CALM_METHODS = {"calm", "calm_stop"}
 SINGLE_LEVEL = {"reg", "ls", "cft"}
