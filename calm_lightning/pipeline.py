@@ -126,6 +126,11 @@ def run_distortion(cfg: DictConfig, test_records: list) -> LogitDistortion | Non
     return resolve_distortion(model, load_tokenizer(model), test_records, prompt)
 
 
+def distortion_record(distortion: LogitDistortion | None) -> dict:
+    """metrics.json's `logit_distortion`, the ground truth of the run's distortion ({}: off)."""
+    return {} if distortion is None else {"logit_distortion": distortion.record()}
+
+
 def run_experiment(cfg: DictConfig) -> RunResult:
     """Run one (model, method, setting): validate, compose, build, calibrate, evaluate, write."""
     # validate: every value and requirement first, before anything is written, any data is
@@ -209,11 +214,9 @@ def _run(cfg: DictConfig, cls, sources: dict, job: JobFolder, ckpt_path) -> RunR
                 retention.evaluate(cfg.method.name, module.model, loaded.tokenizer)
         # write
         extra = {"timings": stopwatch.seconds, **fitted, "method_setting": method_setting}
-        extra["attempts"] = job.attempts()
+        extra |= {"attempts": job.attempts(), **distortion_record(distortion)}
         if cached:
             extra["base_cache"] = cached
-        if distortion is not None:
-            extra["logit_distortion"] = distortion.record()
         result = RunResult(out, evaluation, rows, extra, data_summary=datamodule.summary())
         if main:
             write_run(result)
