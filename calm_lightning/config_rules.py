@@ -15,6 +15,7 @@ This module imports nothing of the project but errors.py, so any module may use 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class Number:
     exclusive_maximum: bool = False
     optional: bool = False  # None allowed (the documented default takes over)
     required: bool = False
+    finite: bool = False  # inf and nan refused (bounds alone let nan through)
 
     def allowed(self) -> str:
         parts = []
@@ -60,13 +62,15 @@ class Number:
             parts.append(f"{'>' if self.exclusive_minimum else '>='} {self.minimum}")
         if self.maximum is not None:
             parts.append(f"{'<' if self.exclusive_maximum else '<='} {self.maximum}")
-        kind = "an integer" if self.integer else "a number"
+        kind = "an integer" if self.integer else ("a finite number" if self.finite else "a number")
         return kind + ((" " + " and ".join(parts)) if parts else "")
 
     def problem(self, value) -> str | None:
         if value is None and self.optional:
             return None
         is_number = isinstance(value, int | float) and not isinstance(value, bool)
+        if self.finite and is_number and not math.isfinite(value):
+            return "must be " + self.allowed()
         if not is_number or (self.integer and float(value) != int(value)):
             return "must be " + self.allowed()
         low_bad = self.minimum is not None and (
@@ -99,6 +103,7 @@ class Text:
     required: bool = False
     pattern: str | None = None
     meaning: str = "a non-empty string"  # what `pattern` asks for, in words
+    empty: bool = False  # "" (or blanks) allowed
 
     def allowed(self) -> str:
         return self.meaning
@@ -106,7 +111,7 @@ class Text:
     def problem(self, value) -> str | None:
         if value is None and self.optional:
             return None
-        if not isinstance(value, str) or not value.strip():
+        if not isinstance(value, str) or not (value.strip() or self.empty):
             return "must be " + self.allowed()
         if self.pattern and not re.fullmatch(self.pattern, value):
             return "must be " + self.allowed()

@@ -25,7 +25,12 @@ from calm_lightning.evaluation.results import format_table, run_meta
 from calm_lightning.evaluation.scorers import MCQAScorer, scorer_from_config
 from calm_lightning.evaluation.scoring_pass import evaluate, evaluate_base, evaluate_base_retention
 from calm_lightning.methods.base import CalibrationMethod, method_class
-from calm_lightning.models.loading import LoadedModel, load_language_model
+from calm_lightning.models.loading import LoadedModel, load_language_model, load_tokenizer
+from calm_lightning.models.logit_distortion import (
+    LogitDistortion,
+    distortion_settings,
+    resolve_distortion,
+)
 from calm_lightning.runtime.base_cache import BaseCache
 from calm_lightning.runtime.checkpointing import (
     JobStamp,
@@ -111,6 +116,21 @@ def build_method(cfg: DictConfig, loaded: LoadedModel, scorer: MCQAScorer) -> Ca
     )
 
 
+def run_distortion(cfg: DictConfig, test_records: list) -> LogitDistortion | None:
+    """The run's `model.logit_distortion` resolved on its MCQA test records with the model's
+    tokenizer alone (None = off): a bad token set stops here, before the weights load."""
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    if distortion_settings(model) is None:
+        return None
+    prompt = OmegaConf.select(cfg, "evaluation.cloze.prompt", default="chat")
+    return resolve_distortion(model, load_tokenizer(model), test_records, prompt)
+
+
+def distortion_record(distortion: LogitDistortion | None) -> dict:
+    """metrics.json's `logit_distortion`, the ground truth of the run's distortion ({}: off)."""
+    return {} if distortion is None else {"logit_distortion": distortion.record()}
+
+
 def run_experiment(cfg: DictConfig) -> RunResult:
     """Run one (model, method, setting): validate, compose, build, calibrate, evaluate, write."""
     # validate: every value and requirement first, before anything is written, any data is
@@ -147,6 +167,7 @@ def _run(cfg: DictConfig, cls, sources: dict, job: JobFolder, ckpt_path) -> RunR
     # build: the data (read and checked) and the retention tasks' data, then the trainer,
     # all before the model, whose loading takes minutes for a 7B model
     datamodule.load_records()
+    distortion = run_distortion(cfg, datamodule.records["test"])
     retention = RetentionStep.from_config(cfg.evaluation.get("retention"), out)
     stopwatch, module, loggers = Stopwatch(), None, []
     try:
@@ -162,7 +183,7 @@ def _run(cfg: DictConfig, cls, sources: dict, job: JobFolder, ckpt_path) -> RunR
         check_world_size(trainer, retention.enabled)
         set_job_device(trainer.strategy.root_device)  # where loaders put weights themselves
         with stopwatch.phase("load_model"):
-            loaded = load_language_model(cfg.model)
+            loaded = load_language_model(cfg.model, distortion)
         datamodule.tokenizer = loaded.tokenizer
         module = build_method(cfg, loaded, scorer)
         rows: dict[str, dict] = {}
@@ -193,7 +214,7 @@ def _run(cfg: DictConfig, cls, sources: dict, job: JobFolder, ckpt_path) -> RunR
                 retention.evaluate(cfg.method.name, module.model, loaded.tokenizer)
         # write
         extra = {"timings": stopwatch.seconds, **fitted, "method_setting": method_setting}
-        extra["attempts"] = job.attempts()
+        extra |= {"attempts": job.attempts(), **distortion_record(distortion)}
         if cached:
             extra["base_cache"] = cached
         result = RunResult(out, evaluation, rows, extra, data_summary=datamodule.summary())

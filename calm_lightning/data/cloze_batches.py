@@ -12,6 +12,7 @@ import torch
 
 from calm_lightning.data.collate import IGNORE_INDEX, pad_left
 from calm_lightning.data.prompts import render_conversation
+from calm_lightning.data.records import MCQARecord
 
 PROMPTS = ("chat", "plain")
 
@@ -52,6 +53,20 @@ def encode_question(
         room = max(1, max_length - max(len(c) for c in conts))
         context_ids = context_ids[-room:]
     return context_ids, conts, chars
+
+
+def option_text_ids(tokenizer, records, prompt: str = "chat", special: bool = True) -> list[int]:
+    """Every token id of every option text of the MCQA `records` (other records skipped), as
+    `encode_question` encodes each option after its question: sorted; `special=False` leaves
+    the tokenizer's special tokens out."""
+    ids: set[int] = set()
+    for record in records:
+        if isinstance(record, MCQARecord):
+            _, conts, _ = encode_question(tokenizer, record.question, record.choices, prompt)
+            ids.update(t for cont in conts for t in cont)
+    if not special:
+        ids -= set(getattr(tokenizer, "all_special_ids", []) or [])
+    return sorted(ids)
 
 
 def encode_batch(tokenizer, questions, choices, prompt, max_length):

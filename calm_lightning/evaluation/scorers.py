@@ -119,6 +119,18 @@ class MCQAScorer:
         """T minimising the NLL of this scorer's option distribution over the kept rows."""
         raise NotImplementedError
 
+    def head_token_ids(self, tokenizer, records: list, option_tokens: OptionTokens) -> list[int]:
+        """The token ids whose logits make this scorer's option scores on `records`: where a
+        per-token head over the option distribution acts (vector scaling's O)."""
+        raise NotImplementedError
+
+    def head_rows(
+        self, model, tokenizer, batch: dict, option_tokens: OptionTokens, token_ids, max_length=None
+    ):
+        """What a per-token head fit on `token_ids` keeps of one held-out batch (on the
+        model's own logits): calibrators/vector_scaling.py `TokenRows`."""
+        raise NotImplementedError
+
     def prompt_format(self, tokenizer, max_length: int) -> dict:
         """How a question is built and scored, spelled out for a user of an exported model."""
         raise NotImplementedError
@@ -183,6 +195,14 @@ class LetterScorer(MCQAScorer):
 
     def fit_temperature(self, rows: list, labels: torch.Tensor) -> TemperatureFit:
         return fit_temperature(torch.cat(rows), labels)
+
+    def head_token_ids(self, tokenizer, records, option_tokens) -> list[int]:
+        return list(option_tokens.ids)  # the K letters, in option order
+
+    def head_rows(self, model, tokenizer, batch, option_tokens, token_ids, max_length=None):
+        from calm_lightning.calibrators.vector_scaling import letter_rows
+
+        return letter_rows(score_options(model, batch, option_tokens))
 
     def prompt_format(self, tokenizer, max_length: int) -> dict:
         from calm_lightning.data.prompts import MCQA_INSTRUCTION, PLAIN_SYSTEM
@@ -301,6 +321,25 @@ class ClozeScorer(MCQAScorer):
         lse = torch.cat([t for _, t in rows])
         return fit_cloze_temperature(
             scores, lse, labels, temperature_scales(BOUNDS), self.normalize, BOUNDS
+        )
+
+    def head_token_ids(self, tokenizer, records, option_tokens) -> list[int]:
+        from calm_lightning.data.cloze_batches import option_text_ids
+
+        return option_text_ids(tokenizer, records, self.prompt)  # every option text's tokens
+
+    def head_rows(self, model, tokenizer, batch, option_tokens, token_ids, max_length=None):
+        from calm_lightning.calibrators.vector_scaling import cloze_rows
+
+        return cloze_rows(
+            model,
+            tokenizer,
+            batch["questions"],
+            batch["choices"],
+            token_ids,
+            self.prompt,
+            max_length,
+            self.normalize,
         )
 
     def describe(self, prompt: dict, option_tokens: dict | None) -> str:

@@ -80,7 +80,16 @@ def inspect_run(run_dir: str | Path, exporting: bool = True) -> RunToExport:
     run_dir, cfg = saved.path, saved.config
     method = str(OmegaConf.select(cfg, "method.name", default="?"))
     cls = _method_class(cfg, method)
-    if not cls.changes_model and exporting:
+    distortion = OmegaConf.select(cfg, "model.logit_distortion")
+    if distortion is not None:
+        # A forward hook, not in the weights: the saved model is not the one calibrated.
+        raise ExportError(
+            f"run_dir={run_dir} ran with model.logit_distortion={distortion}: its model adds "
+            "a bias to some token logits through a hook that no saved weights carry, so an "
+            "export (or a reload) would be a different model from the one calibrated. Export "
+            "a run without model.logit_distortion."
+        )
+    if exporting and (not cls.changes_model or _computed_at_evaluation(cls)):
         raise ExportError(_nothing_to_export(cls, method, cfg))
     calibration = saved.calibration_dir
     if not calibration.is_dir() and cls.changes_model:
@@ -122,11 +131,17 @@ def _method_class(cfg, method: str) -> type:
         ) from err
 
 
-def _nothing_to_export(cls, method: str, cfg) -> str:
+def _computed_at_evaluation(cls) -> bool:
+    """Whether the method's confidence is computed at evaluation time (it overrides
+    `option_probabilities`): the model's own probabilities are not the method's."""
     from calm_lightning.methods.base import CalibrationMethod
 
+    return cls.option_probabilities is not CalibrationMethod.option_probabilities
+
+
+def _nothing_to_export(cls, method: str, cfg) -> str:
     what = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")
-    if cls.option_probabilities is not CalibrationMethod.option_probabilities:
+    if _computed_at_evaluation(cls):
         return (
             f"method={method} has nothing to export: it does not change the model's "
             f"probabilities; its confidence is computed at evaluation time ({what}). Only "

@@ -33,10 +33,13 @@ from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
 from calm_lightning.models.lora import PEFT_RULES, wrap_with_lora
 
-# `head` values: no head, the method's configured head (`method.head`: kind, center), or one
-# scalar temperature d = 1 / T over the untouched logits (post-hoc temperature methods).
+# `head` values: no head, the method's configured head (`method.head`: kind, center), one
+# scalar temperature d = 1 / T over the untouched logits (post-hoc temperature methods), or a
+# per-token d_v, l_v over the untouched logits (post-hoc per-token methods: vs, oracle).
 HEAD_NONE, HEAD_CONFIGURED, HEAD_TEMPERATURE = None, "configured", "temperature"
+HEAD_VECTOR = "vector"
 TEMPERATURE_HEAD = {"kind": "scalar", "center": "none"}
+VECTOR_HEAD = {"kind": "vector", "center": "none"}
 
 
 class CalibrationMethod(L.LightningModule):
@@ -45,7 +48,8 @@ class CalibrationMethod(L.LightningModule):
 
     # ----- what the method needs (checked before any model is loaded) -----
     uses_adapter: ClassVar[bool] = False  # attach the `peft` group's adapters
-    head: ClassVar[str | None] = HEAD_NONE  # HEAD_NONE | HEAD_CONFIGURED | HEAD_TEMPERATURE
+    # HEAD_NONE | HEAD_CONFIGURED | HEAD_TEMPERATURE | HEAD_VECTOR
+    head: ClassVar[str | None] = HEAD_NONE
     needs_heldout: ClassVar[bool] = False  # the setting must define held-out data
     needs_reference_model: ClassVar[bool] = False  # a pre-trained reference model is required
     train_kinds: ClassVar[tuple[str, ...] | None] = None  # allowed training-data kinds; None = any
@@ -191,7 +195,11 @@ class CalibrationMethod(L.LightningModule):
         check_values("peft", {"method": kind}, PEFT_RULES)
         if cls.uses_adapter and kind == "lora":
             lm = wrap_with_lora(lm, peft, quantized=loaded.quantized)
-        options = {HEAD_CONFIGURED: head, HEAD_TEMPERATURE: TEMPERATURE_HEAD}.get(cls.head)
+        options = {
+            HEAD_CONFIGURED: head,
+            HEAD_TEMPERATURE: TEMPERATURE_HEAD,
+            HEAD_VECTOR: VECTOR_HEAD,
+        }.get(cls.head)
         module = None
         if options:
             vocab = lm.get_output_embeddings().weight.shape[0]

@@ -14,6 +14,12 @@ from omegaconf import DictConfig, OmegaConf
 from calm_lightning.config_rules import Flag, Number, OneOf, Text, check_values
 from calm_lightning.errors import ConfigError, ModelUnavailableError
 from calm_lightning.models import embedded
+from calm_lightning.models.logit_distortion import (
+    DISTORTION_RULES,
+    LogitDistortion,
+    distortion_settings,
+    install_distortion,
+)
 from calm_lightning.models.shapes import get_shape
 from calm_lightning.runtime.job_device import job_cuda_device
 from calm_lightning.runtime.resolvers import cuda_available
@@ -39,6 +45,7 @@ MODEL_RULES = {
     "dtype": OneOf(("auto", *DTYPES)),
     "quantization": OneOf(QUANTIZATION),
     "logit_scale": Number(minimum=0, exclusive_minimum=True),
+    **DISTORTION_RULES,  # logit_distortion.* (models/logit_distortion.py)
     "trust_remote_code": Flag(),
     "attn_implementation": Text(optional=True),
     "tokenizer": OneOf(TOKENIZERS),
@@ -156,33 +163,70 @@ def _bitsandbytes_installed() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
-def load_language_model(model_cfg: DictConfig | dict) -> LoadedModel:
-    """Build the model and tokenizer described by a `conf/model/*.yaml` node."""
+def load_language_model(
+    model_cfg: DictConfig | dict, distortion: LogitDistortion | None = None
+) -> LoadedModel:
+    """Build the model and tokenizer described by a `conf/model/*.yaml` node.
+
+    `distortion`: the run's resolved `model.logit_distortion` (models/logit_distortion.py),
+    required when the node sets one: its tokens come from the run's test data, which a model
+    loaded on its own does not know."""
     cfg = _as_dict(model_cfg)
     check_values("model", cfg, MODEL_RULES)
+    if distortion_settings(cfg) is not None and distortion is None:
+        raise ConfigError(
+            f"model.logit_distortion={cfg['logit_distortion']} draws its tokens from a run's "
+            "MCQA test data: only a run (python -m calm_lightning.run) applies it. Set "
+            "model.logit_distortion=null to load the model on its own."
+        )
+    scale = float(cfg.get("logit_scale", 1.0))
     source = cfg["source"]
     if source == "tiny":
         loaded = _build_tiny(cfg)
-        apply_logit_scale(loaded.model, cfg.get("logit_scale", 1.0))
+        apply_logit_scale(loaded.model, scale)
+        install_distortion(loaded.model, distortion or LogitDistortion((), 0.0, scale))
         return loaded
     dtype = resolve_dtype(cfg.get("dtype", "auto"))
     quantize = resolve_quantization(cfg.get("quantization", "auto"))
+    location, local_only = _weights_location(cfg)
+    tokenizer = _load_tokenizer(location, cfg, local_only)
+    model = _load_weights(location, cfg, dtype, quantize, local_only)
+    refuse_second_logit_scale(location, scale, model.config)
+    apply_logit_scale(model, scale)
+    # after the scale (in the final norm, before the output layer): k z + b on S+ exactly
+    install_distortion(model, distortion or LogitDistortion((), 0.0, scale))
+    return LoadedModel(model, tokenizer, cfg.get("name", source), quantize, dtype)
+
+
+def _weights_location(cfg: dict) -> tuple[str, bool]:
+    """Where the weights and tokenizer are read from, and whether only local files may be."""
     if cfg.get("local_path"):
-        location, local_only = str(cfg["local_path"]), True
+        location = str(cfg["local_path"])
         if not os.path.isdir(location):
             raise ModelUnavailableError(
                 f"model.local_path={location!r} is not a directory with a saved model."
             )
-    elif source == "embedded":
-        location, local_only = str(embedded.ensure_converted(cfg.get("cache_dir"))), True
-    else:
-        location, local_only = cfg["model_id"], _hub_offline()
-        _check_hub_model_available(cfg["model_id"], cfg.get("revision"))
-    tokenizer = _load_tokenizer(location, cfg, local_only)
-    model = _load_weights(location, cfg, dtype, quantize, local_only)
-    refuse_second_logit_scale(location, cfg.get("logit_scale", 1.0), model.config)
-    apply_logit_scale(model, cfg.get("logit_scale", 1.0))
-    return LoadedModel(model, tokenizer, cfg.get("name", source), quantize, dtype)
+        return location, True
+    if cfg["source"] == "embedded":
+        return str(embedded.ensure_converted(cfg.get("cache_dir"))), True
+    _check_hub_model_available(cfg["model_id"], cfg.get("revision"))
+    return cfg["model_id"], _hub_offline()
+
+
+def load_tokenizer(model_cfg: DictConfig | dict):
+    """The tokenizer `load_language_model` would give, without the weights (what a run reads
+    before the model loads: `model.logit_distortion`'s token ids are checked against it)."""
+    cfg = _as_dict(model_cfg)
+    check_values("model", cfg, MODEL_RULES)
+    if cfg["source"] == "tiny":
+        return random_tokenizer(cfg)
+    if cfg["source"] == "embedded" and not cfg.get("local_path"):
+        from transformers import AutoTokenizer
+
+        folder = embedded.ensure_tokenizer(cfg.get("cache_dir"))
+        return prepare_tokenizer(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+    location, local_only = _weights_location(cfg)
+    return _load_tokenizer(location, cfg, local_only)
 
 
 # The config.json key an export writes when its weights carry `model.logit_scale`: it travels
