@@ -11,9 +11,7 @@ lives in its class.
 from __future__ import annotations
 
 import gc
-import logging
 import warnings
-from pathlib import Path
 
 import lightning as L
 import torch
@@ -32,15 +30,9 @@ from calm_lightning.models.logit_distortion import (
     resolve_distortion,
 )
 from calm_lightning.runtime.base_cache import BaseCache
-from calm_lightning.runtime.checkpointing import (
-    JobStamp,
-    StopForRequeue,
-    lightning_plugins,
-    resolve_checkpoint,
-)
+from calm_lightning.runtime.checkpointing import claimed_job, job_callbacks, lightning_plugins
 from calm_lightning.runtime.distributed import is_main_process
 from calm_lightning.runtime.job_device import set_job_device
-from calm_lightning.runtime.job_state import JobFolder
 from calm_lightning.runtime.loggers import build_loggers, finish_loggers, publish_results
 from calm_lightning.runtime.method_settings import applied_method_setting, log_method_setting
 from calm_lightning.runtime.run_record import (
@@ -53,8 +45,6 @@ from calm_lightning.runtime.run_record import (
 )
 from calm_lightning.runtime.timing import Stopwatch
 from calm_lightning.runtime.validation import check_world_size, validate_config
-
-log = logging.getLogger(__name__)
 
 # Manual-optimization methods (CALM) checkpoint the state after their update on purpose: a
 # checkpoint at outer step k holds the parameters and counter after step k, which is what a
@@ -137,25 +127,13 @@ def run_experiment(cfg: DictConfig) -> RunResult:
     # read, any logger is created or any weights load (runtime/validation.py)
     cls, sources = method_class(cfg), build_sources(cfg)
     validate_config(cfg, cls, sources)
-    # compose: the resolved config and whatever a method_setting file changed, said up front
-    out = Path(cfg.paths.output_dir)
-    main = is_main_process()  # under DDP only rank 0 writes files and prints the tables
-    job = JobFolder(cfg, out)  # one writer, this job's folder only (runtime/job_state.py)
-    if main:
-        job.check_identity()
-    # resume: `auto` takes this job's newest checkpoint; a foreign one is refused before load
-    ckpt_path, start_step = resolve_checkpoint(cfg.get("ckpt_path"), out, job.digest)
-    try:
-        if main:
-            job.acquire()
-            attempt = job.record_attempt(start_step, resumed=ckpt_path is not None)
-            log.info("attempt %d: %s", len(job.attempts()), attempt)
+    # claim: this job's folder (identity, lock, the checkpoint to resume, the attempt)
+    with claimed_job(cfg) as (job, ckpt_path):
         return _run(cfg, cls, sources, job, ckpt_path)
-    finally:
-        job.release()
 
 
-def _run(cfg: DictConfig, cls, sources: dict, job: JobFolder, ckpt_path) -> RunResult:
+def _run(cfg: DictConfig, cls, sources: dict, job, ckpt_path) -> RunResult:
+    # compose: the resolved config and whatever a method_setting file changed, said up front
     out, main = job.path, is_main_process()
     method_setting = applied_method_setting(cfg)
     if main:
@@ -173,10 +151,7 @@ def _run(cfg: DictConfig, cls, sources: dict, job: JobFolder, ckpt_path) -> RunR
     try:
         loggers = build_loggers(cfg, resume_from=ckpt_path)
         callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node]
-        callbacks.append(JobStamp(job.digest))  # every checkpoint names its job
-        requeue = StopForRequeue()
-        if requeue.install():  # a submitit job: timeouts save a checkpoint, then requeue
-            callbacks.append(requeue)
+        callbacks += job_callbacks(job.digest)  # stamped checkpoints; submitit's requeue
         trainer = instantiate(
             cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=lightning_plugins()
         )

@@ -20,12 +20,15 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from calm_lightning.errors import ConfigError
+from calm_lightning.runtime.distributed import is_main_process
+from calm_lightning.runtime.job_state import JobFolder
 from calm_lightning.runtime.run_record import CHECKPOINT_DIR
 
 log = logging.getLogger(__name__)
@@ -171,3 +174,33 @@ def lightning_plugins() -> list:
     if SLURMEnvironment.detect():
         plugins.append(SLURMEnvironment(auto_requeue=False))
     return plugins
+
+
+@contextmanager
+def claimed_job(cfg):
+    """The job's folder, taken for the block: identity checked (another config's folder is
+    refused), the checkpoint to resume from resolved (`ckpt_path`; a foreign one refused
+    before load), the folder locked and this attempt recorded (rank 0 only under DDP).
+    Yields (JobFolder, checkpoint file or None)."""
+    job, main = JobFolder(cfg), is_main_process()
+    if main:
+        job.check_identity()
+    ckpt_path, start_step = resolve_checkpoint(cfg.get("ckpt_path"), job.path, job.digest)
+    try:
+        if main:
+            job.acquire()
+            attempt = job.record_attempt(start_step, resumed=ckpt_path is not None)
+            log.info("attempt %d: %s", len(job.attempts()), attempt)
+        yield job, ckpt_path
+    finally:
+        job.release()
+
+
+def job_callbacks(digest: str) -> list:
+    """The callbacks every training job gets whatever `callbacks` says: the checkpoints' stamp
+    and, in a submitit job, the requeue at a step boundary."""
+    callbacks: list = [JobStamp(digest)]
+    requeue = StopForRequeue()
+    if requeue.install():
+        callbacks.append(requeue)
+    return callbacks
