@@ -8,6 +8,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from calm_lightning.runtime.run_record import atomic_replace
+
 # (series key, panel title); a key missing from the history leaves its panel out.
 PANELS = (
     ("q", "residual q = g(θ) − g(θ̃)"),
@@ -41,8 +43,6 @@ def plot_calm_curves(history: Sequence[dict[str, float]], path: str | Path) -> P
         ax.tick_params(labelsize=7)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")  # atomic, as every file of a run record
-    fig.savefig(tmp, dpi=110, format="png")
-    tmp.replace(path)
+    with atomic_replace(path) as tmp:  # as every file of a run record
+        fig.savefig(tmp, dpi=110, format="png")
     return path

@@ -14,6 +14,7 @@ from calm_lightning.metrics.calibration import (
     reliability_bins,
     validate_inputs,
 )
+from calm_lightning.runtime.run_record import atomic_replace
 
 __all__ = ["option_letter", "plot_confidence_reliability", "plot_reliability_diagram"]
 
@@ -79,12 +80,8 @@ def _save(fig: Figure, path: str | Path, title: str) -> Path:
     if title:
         fig.suptitle(title)
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Atomic, as every file of a run record: a reader (or a job killed mid-write) never
-    # leaves half a picture under the real name.
-    tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=120)
-    tmp.replace(out)
+    with atomic_replace(out) as tmp:  # as every file of a run record
+        fig.savefig(tmp, format="png", dpi=120)
     return out
 
 

@@ -29,7 +29,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from calm_lightning.errors import ConfigError
 from calm_lightning.runtime.distributed import is_main_process
 from calm_lightning.runtime.job_state import JobFolder
-from calm_lightning.runtime.run_record import CHECKPOINT_DIR
+from calm_lightning.runtime.run_record import CHECKPOINT_DIR, atomic_replace
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +37,12 @@ STAMP_KEY = "calm_lightning_job"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save into `.<name>.tmp` beside the target, then an atomic rename."""
+    """Lightning's torch writer into a temporary file beside the target, then an atomic
+    rename (run_record.atomic_replace)."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
+        with atomic_replace(path) as tmp:
             super().save_checkpoint(checkpoint, tmp, storage_options)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
 
 
 class JobStamp(L.Callback):

@@ -36,6 +36,8 @@ import json
 import os
 import tempfile
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,22 +111,32 @@ class RunResult:
         return {**self.evaluation.summary, "comparison": self.comparison, **self.extra}
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write atomically (a temporary file in the same folder, renamed over `path`): a reader
-    never sees half a file, and a writer killed midway leaves the old file (and a stray
-    `.<name>.<random>` that the next start of the job removes, runtime/job_state.py)."""
+@contextmanager
+def atomic_replace(path: str | Path) -> Iterator[Path]:
+    """A temporary file in `path`'s folder (`.<name>.<random>`) for the block to write; it
+    replaces `path` when the block ends, or is removed when the block fails. A reader never
+    sees half a file, and a writer killed midway leaves the old file (and a stray temporary
+    that the job's next start removes, runtime/job_state.py). Every record file, plot and
+    checkpoint of a run is written through it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(handle)
+    tmp = Path(name)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
+        yield tmp
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it private; a run's files are not
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """`text` into `path`, atomically (`atomic_replace`)."""
+    with atomic_replace(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
 
 
 def _write_json(path: Path, payload) -> Path:
