@@ -3,7 +3,9 @@ foreign ones refused, corrupt records named (runtime/job_state.py, runtime/check
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ import torch
 
 from calm_lightning.errors import ConfigError
 from calm_lightning.run import finished_result
+from calm_lightning.runtime import file_lock
 from calm_lightning.runtime.checkpointing import STAMP_KEY, resolve_checkpoint
 from calm_lightning.runtime.job_state import JobFolder, config_digest
 
@@ -38,7 +41,14 @@ def test_a_folder_of_another_job_is_refused_and_left_as_it_is(compose, tmp_path)
     assert (tmp_path / "job.json").read_text() == before
 
 
-def test_one_writer_per_job_folder(compose, tmp_path):
+def _no_flock(handle, operation):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))  # Lustre mounted with noflock
+
+
+@pytest.mark.parametrize("locking", ["flock", "no flock"])
+def test_one_writer_per_job_folder(compose, tmp_path, monkeypatch, locking):
+    if locking == "no flock":  # the lease file must survive the start's cleanup of temporaries
+        monkeypatch.setattr(file_lock.fcntl, "flock", _no_flock)
     first = JobFolder(compose(JOB, tmp_path))
     first.acquire()
     with pytest.raises(ConfigError, match="another process is running the job"):

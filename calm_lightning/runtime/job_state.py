@@ -83,18 +83,21 @@ def _read_json(path: Path):
 
 
 def _stray_temporaries(folder: Path) -> list[Path]:
-    """Temporary files an interrupted atomic write left (`.<name>.<random>`, `*.tmp`)."""
+    """Temporary files a killed atomic write left (run_record.atomic_replace names them
+    `.<name>.<random>`); the job lock and its fallback owner file (`.job.lock.owner`, the lease
+    this process holds) are not temporaries."""
     out = []
     for sub in (folder, folder / "checkpoints", folder / "base"):
         if sub.is_dir():
-            out += [p for p in sub.iterdir() if p.is_file() and _is_temporary(p.name)]
+            out += [
+                p
+                for p in sub.iterdir()
+                if p.is_file()
+                and p.name.startswith(".")
+                and p.name.count(".") >= 2
+                and not p.name.startswith(JOB_LOCK_FILE)
+            ]
     return out
-
-
-def _is_temporary(name: str) -> bool:
-    return name.endswith(".tmp") or (
-        name.startswith(".") and name.count(".") >= 2 and name not in (JOB_LOCK_FILE,)
-    )
 
 
 class JobFolder:
