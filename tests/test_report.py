@@ -234,3 +234,18 @@ def test_report_says_what_a_sweep_lacks_and_counts_a_job_found_twice_once(tmp_pa
     (row,) = list(csv.DictReader((tmp_path / "report" / "selected.csv").open()))
     assert row["method"] == "calm"
     assert "n_seeds" not in row or row["n_seeds"] == "1"
+
+
+def test_a_finished_copy_left_out_as_a_duplicate_still_counts_in_its_sweep(tmp_path):
+    """The same job finished in two sweep folders: one run in the tables, and each sweep says
+    its job finished (the copy left out is not an unfinished job)."""
+    from calm_lightning.reporting.collect import collect
+
+    for name in ("a", "b"):
+        job = _fake_run(_sweep(tmp_path / name, "1e-3"), "0_m_calm_ood", "calm", {"accuracy": 0.6})
+        (job / "job.json").write_text(json.dumps({"digest": "same"}))
+    collection = collect([tmp_path])
+    assert len(collection.runs) == 1 and len(collection.duplicates) == 1
+    assert [s.line() for s in collection.sweeps] == [
+        f"`{tmp_path / name}`: 1 of 1 finished" for name in ("a", "b")
+    ]

@@ -16,6 +16,7 @@ from calm_lightning.errors import ConfigError
 from calm_lightning.planning import cost_model
 from calm_lightning.planning.jobs import Job, compose_run, describe
 from calm_lightning.planning.pricing import price
+from calm_lightning.runtime.sweep_grid import basic_sweeper_jobs, parse_overrides
 
 _RECORDER = """#!{python}
 import json, os, sys
@@ -68,14 +69,11 @@ def expand(overrides: list[str]) -> list[list[str]]:
 def expand_call(overrides: list[str]) -> tuple[list[list[str]], bool]:
     """`expand`'s jobs, and whether they run as a multirun (one sweep folder, whose base cache
     the jobs share) rather than as one run in its own folder."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
 
     flag = any(o in ("--multirun", "-m") for o in overrides)
     overrides = [o for o in overrides if o not in ("--multirun", "-m")]
-    parser = OverridesParser.create()
-    parsed = _parse(parser, overrides)
+    parsed = parse_overrides(overrides)
     task = [o.input_line for o in parsed if not o.get_key_element().startswith("hydra.")]
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     hydra_cfg = compose_run(fixed, hydra=True).hydra
@@ -85,23 +83,10 @@ def expand_call(overrides: list[str]) -> tuple[list[list[str]], bool]:
             f"{' '.join(overrides)}: the sweeper is {sweeper}, whose jobs are chosen while it "
             "runs (e.g. Optuna's n_trials); only the basic sweeper's grids can be listed"
         )
-    params = [f"{k}={v}" for k, v in (hydra_cfg.sweeper.get("params") or {}).items()]
     multirun = hydra_cfg.mode == RunMode.MULTIRUN or flag
     if not multirun and not any(o.is_sweep_override() for o in parsed):
         return [task], False
-    (jobs,) = BasicSweeper.split_arguments(_parse(parser, params + task), None)
-    return jobs, True
-
-
-def _parse(parser, overrides: list[str]):
-    """Hydra's parse of `overrides`; a malformed one as a one-line ConfigError."""
-    from hydra.errors import HydraException
-
-    try:
-        return parser.parse_overrides(overrides)
-    except HydraException as err:
-        first = str(err).splitlines()[0]
-        raise ConfigError(f"{' '.join(overrides)}: not an override Hydra reads ({first})") from err
+    return basic_sweeper_jobs(hydra_cfg.sweeper.get("params") or {}, task), True
 
 
 def plan(target: str, extra: list[str], device: str | None = None,

@@ -72,7 +72,7 @@ def collect(roots: list[str | Path]) -> Collection:
     one run, the finished copy kept; every sweep folder's expected jobs are checked."""
     from calm_lightning.reporting.completeness import sweep_folders, sweep_status
 
-    collection, by_digest = Collection([]), {}
+    collection, by_digest, readable = Collection([]), {}, {}
     folders = [p.parent for root in roots for p in sorted(Path(root).rglob(CONFIG_FILE))]
     for folder in folders:
         try:
@@ -80,20 +80,20 @@ def collect(roots: list[str | Path]) -> Collection:
         except Exception as err:  # noqa: BLE001 (any damaged record is listed, not fatal)
             collection.unreadable[folder] = _why_unreadable(folder, err)
             continue
+        readable[folder] = run
         kept = by_digest.get(digest) if digest else None
-        if kept is not None:
-            if run.metrics and not kept.metrics:  # the finished copy counts
-                collection.runs[collection.runs.index(kept)] = run
-                by_digest[digest], run, kept = run, kept, run
-            collection.duplicates.append((kept.path, run.path))
+        if kept is None:
+            if digest:
+                by_digest[digest] = run
+            collection.runs.append(run)
             continue
-        if digest:
-            by_digest[digest] = run
-        collection.runs.append(run)
+        if run.metrics and not kept.metrics:  # the finished copy is the one that counts
+            collection.runs[collection.runs.index(kept)] = by_digest[digest] = run
+            kept, run = run, kept
+        collection.duplicates.append((kept.path, run.path))
     _mark_swept_parameters(collection.runs)
-    by_path = {run.path: run for run in collection.runs}
     collection.sweeps = [
-        sweep_status(folder, by_path, collection.unreadable) for folder in sweep_folders(roots)
+        sweep_status(folder, readable, collection.unreadable) for folder in sweep_folders(roots)
     ]
     return collection
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from calm_lightning.runtime.sweep_grid import basic_sweeper_jobs
+
 MULTIRUN_FILE = "multirun.yaml"
 
 
@@ -50,27 +52,21 @@ class SweepStatus:
 
 def expected_jobs(sweep_dir: Path) -> list[list[str]] | None:
     """Every job's overrides as the launch expanded them (None when that is unknown)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     try:
         tree = OmegaConf.to_container(OmegaConf.load(sweep_dir / MULTIRUN_FILE), resolve=False)
-        hydra = tree["hydra"]
-        if not str(hydra["sweeper"].get("_target_", "")).endswith("BasicSweeper"):
+        sweeper, overrides = tree["hydra"]["sweeper"], tree["hydra"]["overrides"]
+        if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
             return None
-        params = hydra["sweeper"].get("params") or {}
-        task = list(hydra["overrides"].get("task") or [])
-        overrides = [f"{key}={value}" for key, value in params.items()] + task
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        (jobs,) = BasicSweeper.split_arguments(parsed, None)
+        return basic_sweeper_jobs(sweeper.get("params") or {}, overrides.get("task") or [])
     except Exception:  # noqa: BLE001 (a damaged or foreign multirun.yaml: grid unknown)
         return None
-    return jobs
 
 
 def sweep_status(sweep_dir: Path, runs_by_path: dict, unreadable: dict) -> SweepStatus:
-    """`runs_by_path`: the collected runs by folder; `unreadable`: folder -> why."""
+    """`runs_by_path`: every readable run by folder (a job's second copy included);
+    `unreadable`: folder -> why."""
     jobs = expected_jobs(sweep_dir)
     status = SweepStatus(sweep_dir, None if jobs is None else len(jobs))
     folders = sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p.name[:1].isdigit())
@@ -83,8 +79,10 @@ def sweep_status(sweep_dir: Path, runs_by_path: dict, unreadable: dict) -> Sweep
             status.unreadable.append((folder, unreadable[folder]))
             continue
         run = runs_by_path.get(folder)
-        if run is None or not run.error:
-            (status.finished if run is not None else status.unfinished).append(folder)
+        if run is None:  # no readable config yet: the job was cut before it wrote one
+            status.unfinished.append(folder)
+        elif not run.error:
+            status.finished.append(folder)
         elif run.failed:
             status.failed.append(folder)
         else:
