@@ -221,7 +221,8 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
     def _stream_batches(self, step: int) -> list[list[int]]:
         """Epoch `self.epoch`'s slice of the stream of passes (`epoch_batches`); data of no
         more than `epoch_batches` batches makes one pass an epoch, as without the option."""
-        per_pass = len(self._pass_batches(step, 0))
+        full, rest = divmod(self.n, step)  # batches per pass, as _pass_batches cuts them
+        per_pass = full + bool(rest) - bool(self.drop_last and full and rest)
         if per_pass <= self.epoch_batches:
             return self._pass_batches(step)
         start = self.epoch * self.epoch_batches
