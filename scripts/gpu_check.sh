@@ -11,9 +11,9 @@
 #
 # Needs torch (CUDA build), lightning, transformers, peft, safetensors, pandas, tokenizers and
 # this project's pure-Python dependencies (docs/hardware.md, "Offline GPU node"); bitsandbytes
-# for the 4-bit check (skipped without it). On one GPU: the DDP checks are skipped, FSDP runs
-# as one unsharded process, `collectives` runs every collective on a one-GPU NCCL group.
-# Not yet run on a GPU: commit its output under results/ when it is (docs/hardware.md).
+# for the 4-bit check (skipped without it). On one GPU: the DDP and FSDP checks are skipped,
+# `collectives` runs every collective on a one-GPU NCCL group. Run once on one H200: its
+# output is in results/gpu_check/ (commit a new run's there, with the date and the GPU).
 set -u
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -705,6 +705,19 @@ def test_fsdp_config_builds_lightnings_strategy_with_a_lora_wrap_rule(compose):
     assert frozen and not any(wrap_module(m, "DecoderLayer") for m in frozen)
 
 
+def test_fsdp_refuses_one_process_before_it_wraps_anything(compose):
+    """One process is torch's NO_SHARD mode, where a LoRA model's frozen FSDP units keep their
+    weights as unregistered views after a training step and the checkpoint's state dict fails
+    (seen on an H200): refused with what to do, before the process group starts."""
+    from hydra.utils import instantiate
+
+    strategy = instantiate(compose(["model=tiny", "trainer=fsdp", "method=reg"]).trainer.strategy)
+    strategy.parallel_devices = [torch.device("cpu")]
+    with pytest.raises(ConfigError, match="use the default trainer on one GPU|Use the default"):
+        strategy.setup_environment()
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize("method", ["calm", "iterate"])
 def test_fsdp_refuses_the_autograd_grad_methods_before_loading(compose, method):
     from calm_lightning.pipeline import build_sources, method_class

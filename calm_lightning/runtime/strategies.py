@@ -85,14 +85,33 @@ def wrap_module(module: torch.nn.Module, suffix: str) -> bool:
     return type(module).__name__.endswith(suffix) or trainable_leaf(module)
 
 
+ONE_PROCESS_FSDP = (
+    "trainer=fsdp on one process: FSDP shards nothing there (torch runs it as NO_SHARD), and "
+    "in that mode a LoRA model's frozen blocks keep their weights unregistered after a "
+    "training step, so no checkpoint can be written (seen on an H200, reproduced on the CPU; "
+    "two or more processes shard and save). Use the default trainer on one GPU (the same run, "
+    "unsharded), or trainer=fsdp with trainer.devices >= 2"
+)
+
+
 def fsdp_strategy(wrap_suffix: str = "DecoderLayer", **kwargs):
-    """Lightning's FSDPStrategy with `wrap_module` as its auto-wrap policy; `kwargs` go to
-    FSDPStrategy (sharding_strategy, use_orig_params, limit_all_gathers, state_dict_type)."""
+    """Lightning's FSDPStrategy with `wrap_module` as its auto-wrap policy, refusing a world of
+    one process (ONE_PROCESS_FSDP); `kwargs` go to FSDPStrategy (sharding_strategy,
+    use_orig_params, limit_all_gathers, state_dict_type)."""
     from lightning.pytorch.strategies import FSDPStrategy
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    from calm_lightning.errors import ConfigError
+
+    class ShardedOnlyFSDPStrategy(FSDPStrategy):
+        def setup_environment(self) -> None:
+            # The device count is known here (trainer.devices=-1 resolves to the visible GPUs).
+            if self.world_size < 2:
+                raise ConfigError(ONE_PROCESS_FSDP)
+            super().setup_environment()
 
     policy = functools.partial(
         lambda_auto_wrap_policy,
         lambda_fn=functools.partial(wrap_module, suffix=wrap_suffix),
     )
-    return FSDPStrategy(auto_wrap_policy=policy, **kwargs)
+    return ShardedOnlyFSDPStrategy(auto_wrap_policy=policy, **kwargs)
