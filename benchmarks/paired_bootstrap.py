@@ -7,7 +7,7 @@ conf-ECE, their difference (b − a) and the paired bootstrap's standard error a
 percentile interval of that difference (the same resampled questions for both runs), with
 scipy's `stats.bootstrap`.
 
-    python benchmarks/paired_bootstrap.py RUN_A RUN_B [--metric conf_ece|classwise_ece]
+    python benchmarks/paired_bootstrap.py RUN_A RUN_B [--metric conf_ece|classwise_ece|nll|accuracy]
         [--resamples 2000] [--seed 0]
 
 RUN_A and RUN_B are run folders (or their predictions files).
@@ -51,7 +51,12 @@ def compare(pa, pb, labels, metric: str = "conf_ece", resamples: int = 2000, see
 
     from calm_lightning.metrics.calibration import classwise_ece, confidence_ece
 
-    fn = {"conf_ece": confidence_ece, "classwise_ece": classwise_ece}[metric]
+    fn = {
+        "conf_ece": confidence_ece,
+        "classwise_ece": classwise_ece,
+        "nll": lambda p, y: float(-np.log(np.clip(p[np.arange(len(y)), y], 1e-300, None)).mean()),
+        "accuracy": lambda p, y: float((p.argmax(1) == y).mean()),
+    }[metric]
 
     def difference(index):
         index = index.astype(int)
@@ -72,7 +77,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_a", type=Path)
     parser.add_argument("run_b", type=Path)
-    parser.add_argument("--metric", choices=["conf_ece", "classwise_ece"], default="conf_ece")
+    parser.add_argument(
+        "--metric", choices=["conf_ece", "classwise_ece", "nll", "accuracy"], default="conf_ece"
+    )
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

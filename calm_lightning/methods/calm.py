@@ -204,6 +204,10 @@ class CALM(TrainingMethod):
             names = names + [f"head.{n}" for n in self.model.head_parameters()]
         return names
 
+    def _blocks(self, n_theta: int, n_alpha: int) -> tuple[int, ...]:
+        """The lambda blocks under `lambda_blocks: per_block`: the adapters, the head."""
+        return (n_theta, n_alpha)
+
     def configure_optimizers(self):
         _, theta = self._theta()
         opt_theta = self.adamw(theta, self.lower_lr)
@@ -322,7 +326,7 @@ class CALM(TrainingMethod):
         )
         if bad:
             self.fail_non_finite(bad)
-        blocks = (len(theta), len(alpha)) if self.per_block_lambda else None
+        blocks = self._blocks(len(theta), len(alpha)) if self.per_block_lambda else None
         step = bome_direction(grads.grad_f, grads.grad_q, eta=self.eta, blocks=blocks)
         if first_non_finite(direction=step.direction):
             self.fail_non_finite("update direction")
@@ -384,6 +388,8 @@ class CALM(TrainingMethod):
         }
         if len(step.lambdas) > 1:
             values["calm/lambda_head"] = step.lambdas[-1]
+        if len(step.lambdas) > 2:  # calm_token: adapters, d0, the per-token entries
+            values["calm/lambda_scale"] = step.lambdas[1]
         # What moves the head's d: the sums over its entries of the entropy term's gradient
         # and of the lambda-weighted residual term's (alpha = scale d, then bias l); a
         # positive value pushes d down, i.e. flattens the distribution.

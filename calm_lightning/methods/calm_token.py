@@ -1,0 +1,183 @@
+"""`method=calm_token`: CALM with a per-token head on a support (docs/calm.md, "A per-token head").
+
+The head is a shared temperature d0 plus per-token biases l_y (optionally scales d_y) on the
+support S only: the option tokens of the training and held-out questions (`support: options`),
+or the most frequent answer tokens of those splits (`support: responses`, for data without
+options). Built on `calm_stop`'s switches (the joint value function: the head's residual
+gradient is the training cross-entropy's slope; amortized surrogate), with what the paper's
+vector head lacked:
+
+* three lambda blocks: the adapters, d0, the per-token entries (one lambda for all of them lets
+  the adapters' geometry decide how far 49,152 head entries move);
+* d0 by sign descent (it stops where the training cross-entropy's slope on it changes sign: the
+  entropy alone never stops a temperature), the entries by AdamW at their own LR;
+* the entries' stopping point is finite: a per-token bias has a finite entropy maximiser (and a
+  finite cross-entropy minimiser), both moved by exactly -b/k by a +b distortion of logits
+  scaled by k; per-token scales have none (entropy grows as d_y -> 0), so they are off unless
+  asked for (`token_scale`);
+* shrinkage toward the identity: the entries' own weight decay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import ClassVar
+
+import torch
+
+from calm_lightning.config_rules import Flag, Number, OneOf
+from calm_lightning.data.records import InstructionRecord, MCQARecord
+from calm_lightning.errors import ConfigError
+from calm_lightning.methods.bome import InnerStep, PersistentSurrogate
+from calm_lightning.methods.calm import CALM
+from calm_lightning.models.token_head import TokenLogitAdjustment
+
+log = logging.getLogger(__name__)
+
+SUPPORTS = ("options", "responses")
+TOKEN_STEPS = ("adamw", "sign")
+
+
+class CALMToken(CALM):
+    """CALM (calm_stop's switches) with a shared temperature and per-token entries on a support."""
+
+    config_rules: ClassVar[dict] = {
+        **CALM.config_rules,
+        "support": OneOf(SUPPORTS),
+        "support_size": Number(minimum=1, integer=True),
+        "token_scale": Flag(),
+        "token_lr": Number(minimum=0),
+        "token_weight_decay": Number(minimum=0),
+        "token_step": OneOf(TOKEN_STEPS),
+    }
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        support: str = "options",
+        support_size: int = 4096,
+        token_scale: bool = False,
+        token_lr: float = 0.05,
+        token_weight_decay: float = 0.1,
+        token_step: str = "adamw",
+        **kwargs,
+    ) -> None:
+        """`support`: options (every token of the training and held-out questions' option
+        texts; the letters under letter scoring) | responses (the `support_size` most frequent
+        tokens of the training and held-out answers). `token_lr`, `token_weight_decay`,
+        `token_step`: the per-token entries' optimizer (0 LR freezes them: the scalar-only
+        ablation). The rest is CALM's (calm_stop's values in conf/method/calm_token.yaml)."""
+        if model.head is None or model.head.kind != "scalar":
+            raise ConfigError(
+                "method=calm_token builds on a scalar head: set method.head.kind=scalar"
+            )
+        head = model.head
+        model.head = TokenLogitAdjustment(
+            head.vocab_size,
+            center=head.center,
+            parameterization=head.parameterization,
+            token_scale=token_scale,
+        ).to(head.bias.device)
+        super().__init__(model, tokenizer, **kwargs)
+        self.check_arguments(
+            support=support,
+            support_size=support_size,
+            token_scale=token_scale,
+            token_lr=token_lr,
+            token_weight_decay=token_weight_decay,
+            token_step=token_step,
+        )
+        self.support, self.support_size = support, int(support_size)
+        self.token_lr, self.token_weight_decay = float(token_lr), float(token_weight_decay)
+        self.token_step = token_step
+        if self.persistent is not None:  # rebuilt: the entries' inner LR is token_lr
+            self.persistent = PersistentSurrogate(
+                InnerStep(self.inner_optimizer, self._inner_lrs(), self.betas)
+            )
+
+    # ----- the support, from the data, before optimizers and checkpoints are built -----
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage != "fit":
+            return
+        ids = self.support_ids(self.trainer.datamodule)
+        if not ids:
+            raise ConfigError(
+                f"method=calm_token: the support ({self.support}) is empty for "
+                "this data; use method.module.support=responses for data without options"
+            )
+        self.model.head.set_support(ids)
+        log.info("calm_token: %d per-token entries (support: %s)", len(ids), self.support)
+
+    def support_ids(self, datamodule) -> list[int]:
+        records = [r for split in ("train", "heldout") for r in datamodule._load(split)]
+        if self.support == "options":
+            questions = [r for r in records if isinstance(r, MCQARecord)]
+            if not questions:
+                return []
+            if self.scorer.answer_is_option:  # letter scoring: the letters
+                ids = self.scorer.training_option_ids(self.tokenizer)
+                return [] if ids is None else [int(i) for i in ids]
+            return list(self.scorer.head_token_ids(self.tokenizer, questions, None))
+        counts: Counter = Counter()
+        for record in records:
+            for text in answer_texts(record):
+                counts.update(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return [token for token, _ in counts.most_common(self.support_size)]
+
+    # ----- three blocks: adapters, d0, per-token entries -----
+    def _alpha(self) -> list[torch.nn.Parameter]:
+        head = self.model.head
+        return head.shared_parameters() + head.token_parameters()
+
+    def _blocks(self, n_theta: int, n_alpha: int) -> tuple[int, ...]:
+        n_shared = len(self.model.head.shared_parameters())
+        return (n_theta, n_shared, n_alpha - n_shared)
+
+    def _inner_lrs(self) -> float | list[float]:
+        if not self.joint_value or not hasattr(self, "token_lr"):  # (CALM's __init__ asks first)
+            return super()._inner_lrs()
+        n_theta = len(self._theta()[1])
+        head = self.model.head
+        return ([self.inner_lr] * n_theta + [self.upper_lr] * len(head.shared_parameters())
+                + [self.token_lr] * len(head.token_parameters()))  # fmt: skip
+
+    def configure_optimizers(self):
+        _, theta = self._theta()
+        head = self.model.head
+        opt_theta = self.adamw(theta, self.lower_lr)
+        # d0 by sign descent (AdamW with both betas 0); the entries by AdamW (or sign) with
+        # their own LR and weight decay (the shrinkage toward l = 0, d_y = 1).
+        token_betas = (0.0, 0.0) if self.token_step == "sign" else self.betas
+        opt_alpha = torch.optim.AdamW(
+            [
+                {"params": head.shared_parameters(), "lr": self.upper_lr, "betas": (0.0, 0.0),
+                 "weight_decay": self.weight_decay},
+                {"params": head.token_parameters(), "lr": self.token_lr, "betas": token_betas,
+                 "weight_decay": self.token_weight_decay},
+            ],
+            lr=self.upper_lr, eps=1e-12,
+        )  # fmt: skip
+        factor = self.lr_factor_schedule()
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in (opt_theta, opt_alpha)]
+        return [opt_theta, opt_alpha], schedulers
+
+    def calibrate(self, trainer, datamodule, ckpt_path: str | None = None) -> dict:
+        """Train, then replace the head by its dense vector form (the same function) for
+        evaluation, saving and export; the record keeps the entries' summary."""
+        fitted = super().calibrate(trainer, datamodule, ckpt_path)
+        head = self.model.head
+        summary = {**head.summary(), "support": int(head.support.numel())}
+        self.model.head = head.to_vector()
+        return {**fitted, "token_head": summary}
+
+
+def answer_texts(record) -> list[str]:
+    """The answer texts of a training or held-out record (the support's `responses`)."""
+    if isinstance(record, MCQARecord):
+        return [record.choices[record.answer]]
+    if isinstance(record, InstructionRecord):
+        return [record.output]
+    return list(getattr(record, "answers", ()))[:1]
