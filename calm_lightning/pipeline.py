@@ -1,6 +1,6 @@
 """The plain `run_experiment(cfg)` behind `python -m calm_lightning.run` (tests call it too).
 
-It only orchestrates: validate (every config value, runtime/validation.py, before anything
+It only orchestrates: validate (every config value, validation.py, before anything
 is written or read) -> compose (the resolved config and what a method_setting file changed) ->
 build (data read and checked, the trainer, then the model and the method) -> calibrate (the
 method's own protocol, methods/base.py) -> evaluate (test split, and lm-eval retention when
@@ -18,6 +18,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from calm_lightning.evaluation.base_cache import BaseCache
 from calm_lightning.evaluation.lm_eval_retention import RetentionStep
 from calm_lightning.evaluation.results import format_table, run_meta
 from calm_lightning.evaluation.scorers import MCQAScorer, scorer_from_config
@@ -29,7 +30,6 @@ from calm_lightning.models.logit_distortion import (
     distortion_settings,
     resolve_distortion,
 )
-from calm_lightning.runtime.base_cache import BaseCache
 from calm_lightning.runtime.checkpointing import claimed_job, job_callbacks, lightning_plugins
 from calm_lightning.runtime.distributed import is_main_process
 from calm_lightning.runtime.job_device import set_job_device
@@ -44,7 +44,7 @@ from calm_lightning.runtime.run_record import (
     write_run,
 )
 from calm_lightning.runtime.timing import Stopwatch
-from calm_lightning.runtime.validation import check_world_size, validate_config
+from calm_lightning.validation import check_world_size, validate_config
 
 # Manual-optimization methods (CALM) checkpoint the state after their update on purpose: a
 # checkpoint at outer step k holds the parameters and counter after step k, which is what a
@@ -124,7 +124,7 @@ def distortion_record(distortion: LogitDistortion | None) -> dict:
 def run_experiment(cfg: DictConfig) -> RunResult:
     """Run one (model, method, setting): validate, compose, build, calibrate, evaluate, write."""
     # validate: every value and requirement first, before anything is written, any data is
-    # read, any logger is created or any weights load (runtime/validation.py)
+    # read, any logger is created or any weights load (validation.py)
     cls, sources = method_class(cfg), build_sources(cfg)
     validate_config(cfg, cls, sources)
     # claim: this job's folder (identity, lock, the checkpoint to resume, the attempt)
@@ -165,7 +165,7 @@ def _run(cfg: DictConfig, cls, sources: dict, job, ckpt_path) -> RunResult:
         cache, cached = BaseCache.from_config(cfg), {}
         # Before calibration the adapters are zero and the head is the identity: the
         # untouched model, scored on the same data by the same code (or read from the
-        # sweep's cache, where an earlier job scored it: runtime/base_cache.py).
+        # sweep's cache, where an earlier job scored it: evaluation/base_cache.py).
         if module.changes_model and cfg.evaluation.get("compare_with_base", True):
             with stopwatch.phase("evaluate_base"):
                 base, cached["base"] = evaluate_base(trainer, module, datamodule, cfg, out, cache)

@@ -4,7 +4,7 @@
 scores its share; rank 0 writes the gathered predictions and the reliability diagram).
 `evaluate_base` and `evaluate_base_retention` give the base row and the base retention row:
 read from the sweep's cache where an earlier job with the same fingerprint measured them
-(runtime/base_cache.py), else measured here and stored; either way the run's folder holds the
+(evaluation/base_cache.py), else measured here and stored; either way the run's folder holds the
 same files and the method's row is scored as if the base had been measured here.
 """
 
@@ -14,11 +14,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from calm_lightning.evaluation.base_cache import BaseCache, base_fingerprint, retention_fingerprint
 from calm_lightning.evaluation.lm_eval_retention import preserved_rng
 from calm_lightning.evaluation.mcqa import OptionTokens
 from calm_lightning.evaluation.results import run_meta
 from calm_lightning.models.calibrated_lm import CalibratedLM
-from calm_lightning.runtime.base_cache import BaseCache, base_fingerprint, retention_fingerprint
 from calm_lightning.runtime.distributed import is_main_process
 from calm_lightning.runtime.run_record import (
     BASE_DIR,
