@@ -73,7 +73,7 @@ def settings_for(run_cfg, arguments: dict):
     """The run's own `evaluation.retention` block, then the command line on top."""
     from omegaconf import OmegaConf
 
-    from calm_lightning.evaluation.lm_eval_retention import RetentionSettings
+    from calm_lightning.evaluation.lm_eval_tasks import RetentionSettings
 
     block = (
         None if run_cfg is None else OmegaConf.select(run_cfg, "evaluation.retention", default=None)

@@ -140,7 +140,7 @@ def test_a_moving_hub_revision_resolves_to_the_commit_read(tmp_path, monkeypatch
 
 def test_the_retention_fingerprint_holds_its_precision(compose, monkeypatch):
     from calm_lightning.evaluation.base_cache import retention_fingerprint
-    from calm_lightning.evaluation.lm_eval_retention import RetentionSettings
+    from calm_lightning.evaluation.lm_eval_tasks import RetentionSettings
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on any machine
 
