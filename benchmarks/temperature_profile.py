@@ -7,7 +7,7 @@ adapters change, every row of the study is the base model at one scale s = k / T
 the test split's conf-ECE as a function of s is one curve shared by every k. This script
 scores the test split once with the unscaled model (one pass: cloze option log-likelihoods
 and, per option, the sums of logsumexp(s z) at every s on a grid, exactly as
-`calibrators/cloze_temperature.py` does for a temperature fit), then gives accuracy, mean
+`evaluation/cloze_temperature.py` does for a temperature fit), then gives accuracy, mean
 confidence and conf-ECE at each s, and places the study's records on the curve.
 
 Checks printed with the table: at s = k (no temperature) the curve must give the study's
@@ -48,7 +48,7 @@ def profile(cfg, scales: list[float]) -> tuple[list[dict], list]:
     import torch
     from tqdm import tqdm
 
-    from calm_lightning.calibrators.cloze_temperature import temperature_terms
+    from calm_lightning.evaluation.cloze_temperature import temperature_terms
     from calm_lightning.evaluation.scorers import ClozeScorer, scorer_from_config
     from calm_lightning.metrics.calibration import accuracy, confidence_ece
     from calm_lightning.models.calibrated_lm import CalibratedLM

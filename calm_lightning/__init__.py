@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "load_calibrated": "calm_lightning.exported.inference",
     "CalibratedModel": "calm_lightning.exported.inference",
-    "CalibrationLogitsProcessor": "calm_lightning.exported.logits_processor",
+    "CalibrationLogitsProcessor": "calm_lightning.models.logits_processor",
 }
 __all__ = ["__version__", *_LAZY]
 

@@ -85,9 +85,9 @@ def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m calm_lightning.acceptance`: the same as `python -m calm_lightning check`."""
-    from calm_lightning.cli import command_main
+    from calm_lightning.arguments import command_main
 
-    return command_main("check", argv)
+    return command_main("calm_lightning.acceptance", argv)
 
 
 if __name__ == "__main__":

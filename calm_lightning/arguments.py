@@ -1,10 +1,18 @@
-"""Argument readers the commands share: booleans and lists read the same everywhere
-(`parse_bool`, `parse_list`), as do the key=value arguments of export and retention
-(`key_value_arguments`). Commands import these from here, not from the dispatcher (cli.py)."""
+"""What the commands share: argument readers (booleans and lists read the same everywhere,
+`parse_bool`, `parse_list`, as do the key=value arguments of export and retention,
+`key_value_arguments`) and how a command module runs (`command_main` for `python -m
+calm_lightning.<module>`, `invoke` for it and the dispatcher: a user error prints without a
+traceback). Commands import these from here, not from the dispatcher (cli.py), which sits
+above them."""
 
 from __future__ import annotations
 
-from calm_lightning.errors import ConfigError
+import argparse
+import importlib
+import os
+import sys
+
+from calm_lightning.errors import CalmLightningError, ConfigError
 
 TRUE_WORDS = ("true", "1", "yes")
 FALSE_WORDS = ("false", "0", "no")
@@ -60,3 +68,37 @@ def key_value_arguments(
             )
         values[key] = value
     return values
+
+
+def command_main(module_name: str, argv: list[str] | None = None) -> int:
+    """`python -m <module_name>`: the command that module implements, under the module's own
+    name; the same code as its `python -m calm_lightning <command>`."""
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"python -m {module_name}")
+    describe(parser, module)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return invoke(module, args, parser)
+
+
+def describe(parser: argparse.ArgumentParser, module) -> None:
+    """The command module's first docstring paragraph as the description, then its
+    arguments (`add_arguments`)."""
+    parser.description = module.__doc__.split("\n\n")[0]
+    module.add_arguments(parser)
+
+
+def invoke(module, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the command module on its parsed arguments; a user error prints its message
+    without a traceback (exit 1; HYDRA_FULL_ERROR=1 shows the traceback, as for a run). A
+    module with `LOGS_PROGRESS = True` (long single actions) shows the project's INFO lines."""
+    if getattr(module, "LOGS_PROGRESS", False):
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    try:
+        return module.command(args, parser)
+    except CalmLightningError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"\nerror: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        return 1

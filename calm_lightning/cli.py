@@ -6,8 +6,9 @@ command line.
 does the work (report.py, plan.py, export.py, retention.py, acceptance.py) adds its arguments
 (`add_arguments(parser)`) and runs them (`command(args, parser)`); `python -m
 calm_lightning.<module>` runs the same code. A user error (a `CalmLightningError`) prints its
-message without a traceback and exits 1, whichever command raised it. The argument readers
-the commands share live in arguments.py, which the commands import (not this dispatcher).
+message without a traceback and exits 1, whichever command raised it. What the commands
+share (argument readers, `command_main`, `invoke`) lives in arguments.py, which the commands
+import: nothing imports this dispatcher but `__main__.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from calm_lightning.errors import CalmLightningError
+from calm_lightning.arguments import describe, invoke
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,6 @@ class Command:
 
     module: str
     summary: str
-    logs_progress: bool = False  # show the project's INFO log lines (long single actions)
 
 
 COMMANDS = {
@@ -40,13 +40,9 @@ COMMANDS = {
     "plan": Command(
         "calm_lightning.plan", "a sweep's jobs and their estimated cost, before it runs"
     ),
-    "export": Command(
-        "calm_lightning.export", "a finished run as a Hugging Face model folder", logs_progress=True
-    ),
+    "export": Command("calm_lightning.export", "a finished run as a Hugging Face model folder"),
     "retention": Command(
-        "calm_lightning.retention",
-        "lm-eval retention of a saved run or an exported folder",
-        logs_progress=True,
+        "calm_lightning.retention", "lm-eval retention of a saved run or an exported folder"
     ),
     "check": Command(
         "calm_lightning.acceptance", "the offline GPU acceptance checks (--cpu: on the CPU)"
@@ -61,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_hydra_app(argv[1:])
     parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
-    return _invoke(COMMANDS[args.command], args.module, args, args.command_parser)
+    return invoke(args.module, args, args.command_parser)
 
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
@@ -80,41 +76,9 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=command.summary, description=command.summary)
         if name == selected and name != "run":
             module = importlib.import_module(command.module)
-            _describe(sub, module)
+            describe(sub, module)
             sub.set_defaults(module=module, command_parser=sub)
     return parser
-
-
-def command_main(name: str, argv: list[str] | None = None) -> int:
-    """`python -m calm_lightning.<module>`: the command `name` under the module's own name."""
-    command = COMMANDS[name]
-    module = importlib.import_module(command.module)
-    parser = argparse.ArgumentParser(prog=f"python -m {command.module}")
-    _describe(parser, module)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return _invoke(command, module, args, parser)
-
-
-def _describe(parser: argparse.ArgumentParser, module) -> None:
-    """The module's first docstring paragraph as the description, then its arguments."""
-    parser.description = module.__doc__.split("\n\n")[0]
-    module.add_arguments(parser)
-
-
-def _invoke(command: Command, module, args: argparse.Namespace, parser) -> int:
-    """Run the command; a user error prints its message without a traceback (exit 1;
-    HYDRA_FULL_ERROR=1 shows the traceback, as for a run)."""
-    if command.logs_progress:
-        import logging
-
-        logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    try:
-        return module.command(args, parser)
-    except CalmLightningError as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"\nerror: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
-        return 1
 
 
 def run_hydra_app(args: list[str]) -> int:

@@ -4,7 +4,7 @@ A rule table maps a key (dotted for nested keys: `surrogate.schedule`) to a rule
 `check_values(prefix, values, rules)` raises a ConfigError for the first value that breaks its
 rule, as `<prefix>.<key>=<value!r> <problem>` (`method.module.inner_steps=0 must be an
 integer >= 1`). Each group declares its table beside the code that reads the keys;
-runtime/validation.py applies them all to the composed config before anything heavy.
+validation.py applies them all to the composed config before anything heavy.
 
 Hand-written rather than Hydra structured configs: the method blocks are open dictionaries
 passed through `instantiate` to each class, and typing all of them as dataclasses would

@@ -26,6 +26,9 @@ from pathlib import Path
 from calm_lightning.arguments import key_value_arguments, parse_bool
 from calm_lightning.errors import ExportError
 
+# A long single action: show the project's INFO log lines (arguments.invoke).
+LOGS_PROGRESS = True
+
 USAGE = (
     "usage: python -m calm_lightning.export run_dir=<run dir> out=<folder> "
     "[merge=true|false] [fold=auto|true|false] [overwrite=false|true] "
@@ -90,9 +93,9 @@ def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m calm_lightning.export`: the same as `python -m calm_lightning export`."""
-    from calm_lightning.cli import command_main
+    from calm_lightning.arguments import command_main
 
-    return command_main("export", argv)
+    return command_main("calm_lightning.export", argv)
 
 
 if __name__ == "__main__":

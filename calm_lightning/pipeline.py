@@ -1,6 +1,6 @@
 """The plain `run_experiment(cfg)` behind `python -m calm_lightning.run` (tests call it too).
 
-It only orchestrates: validate (every config value, runtime/validation.py, before anything
+It only orchestrates: validate (every config value, validation.py, before anything
 is written or read) -> compose (the resolved config and what a method_setting file changed) ->
 build (data read and checked, the trainer, then the model and the method) -> calibrate (the
 method's own protocol, methods/base.py) -> evaluate (test split, and lm-eval retention when
@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from calm_lightning.evaluation.lm_eval_retention import RetentionStep
 from calm_lightning.evaluation.results import format_table, run_meta
 from calm_lightning.evaluation.scorers import MCQAScorer, scorer_from_config
-from calm_lightning.evaluation.scoring_pass import evaluate, evaluate_base, evaluate_base_retention
+from calm_lightning.evaluation.scoring_pass import base_rows, evaluate
 from calm_lightning.methods.base import CalibrationMethod, method_class
 from calm_lightning.models.loading import LoadedModel, load_language_model, load_tokenizer
 from calm_lightning.models.logit_distortion import (
@@ -29,7 +29,6 @@ from calm_lightning.models.logit_distortion import (
     distortion_settings,
     resolve_distortion,
 )
-from calm_lightning.runtime.base_cache import BaseCache
 from calm_lightning.runtime.checkpointing import claimed_job, job_callbacks, lightning_plugins
 from calm_lightning.runtime.distributed import is_main_process
 from calm_lightning.runtime.job_device import set_job_device
@@ -44,7 +43,7 @@ from calm_lightning.runtime.run_record import (
     write_run,
 )
 from calm_lightning.runtime.timing import Stopwatch
-from calm_lightning.runtime.validation import check_world_size, validate_config
+from calm_lightning.validation import check_world_size, validate_config
 
 # Manual-optimization methods (CALM) checkpoint the state after their update on purpose: a
 # checkpoint at outer step k holds the parameters and counter after step k, which is what a
@@ -106,6 +105,20 @@ def build_method(cfg: DictConfig, loaded: LoadedModel, scorer: MCQAScorer) -> Ca
     )
 
 
+def build_trainer(cfg: DictConfig, loggers: list, job_digest: str, with_retention: bool):
+    """The run's Lightning trainer: its loggers, the configured callbacks with the job's own
+    (stamped checkpoints, submitit's requeue), its world size checked; the job's device is set
+    for the loaders that place weights themselves."""
+    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node]
+    callbacks += job_callbacks(job_digest)
+    trainer = instantiate(
+        cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=lightning_plugins()
+    )
+    check_world_size(trainer, with_retention)
+    set_job_device(trainer.strategy.root_device)
+    return trainer
+
+
 def run_distortion(cfg: DictConfig, test_records: list) -> LogitDistortion | None:
     """The run's `model.logit_distortion` resolved on its MCQA test records with the model's
     tokenizer alone (None = off): a bad token set stops here, before the weights load."""
@@ -124,7 +137,7 @@ def distortion_record(distortion: LogitDistortion | None) -> dict:
 def run_experiment(cfg: DictConfig) -> RunResult:
     """Run one (model, method, setting): validate, compose, build, calibrate, evaluate, write."""
     # validate: every value and requirement first, before anything is written, any data is
-    # read, any logger is created or any weights load (runtime/validation.py)
+    # read, any logger is created or any weights load (validation.py)
     cls, sources = method_class(cfg), build_sources(cfg)
     validate_config(cfg, cls, sources)
     # claim: this job's folder (identity, lock, the checkpoint to resume, the attempt)
@@ -150,31 +163,16 @@ def _run(cfg: DictConfig, cls, sources: dict, job, ckpt_path) -> RunResult:
     stopwatch, module, loggers = Stopwatch(), None, []
     try:
         loggers = build_loggers(cfg, resume_from=ckpt_path)
-        callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node]
-        callbacks += job_callbacks(job.digest)  # stamped checkpoints; submitit's requeue
-        trainer = instantiate(
-            cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=lightning_plugins()
-        )
-        check_world_size(trainer, retention.enabled)
-        set_job_device(trainer.strategy.root_device)  # where loaders put weights themselves
+        trainer = build_trainer(cfg, loggers, job.digest, retention.enabled)
         with stopwatch.phase("load_model"):
             loaded = load_language_model(cfg.model, distortion)
         datamodule.tokenizer = loaded.tokenizer
         module = build_method(cfg, loaded, scorer)
-        rows: dict[str, dict] = {}
-        cache, cached = BaseCache.from_config(cfg), {}
-        # Before calibration the adapters are zero and the head is the identity: the
-        # untouched model, scored on the same data by the same code (or read from the
-        # sweep's cache, where an earlier job scored it: runtime/base_cache.py).
-        if module.changes_model and cfg.evaluation.get("compare_with_base", True):
-            with stopwatch.phase("evaluate_base"):
-                base, cached["base"] = evaluate_base(trainer, module, datamodule, cfg, out, cache)
-            rows["base"] = base.metrics
-        if retention.enabled:
-            with stopwatch.phase("retention_base"):
-                cached["retention_base"] = evaluate_base_retention(
-                    retention, module, loaded.tokenizer, cfg, out, cache
-                )
+        # the untouched model, scored on the same data by the same code before calibration
+        # changes it (or read from the sweep's cache, where an earlier job scored it)
+        rows, cached = base_rows(
+            trainer, module, datamodule, retention, loaded.tokenizer, cfg, out, stopwatch
+        )
         # calibrate
         with stopwatch.phase("calibrate"):
             fitted = module.calibrate(trainer, datamodule, ckpt_path)

@@ -74,9 +74,9 @@ def command(args, parser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m calm_lightning.plan`: the same as `python -m calm_lightning plan`."""
-    from calm_lightning.cli import command_main
+    from calm_lightning.arguments import command_main
 
-    return command_main("plan", argv)
+    return command_main("calm_lightning.plan", argv)
 
 
 if __name__ == "__main__":

@@ -64,9 +64,9 @@ def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m calm_lightning.report`: the same as `python -m calm_lightning report`."""
-    from calm_lightning.cli import command_main
+    from calm_lightning.arguments import command_main
 
-    return command_main("report", argv)
+    return command_main("calm_lightning.report", argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ config to read them from), so an export can be checked against its run's retenti
 against lm-eval's own `hf` model on the same folder.
 
 Arguments are key=value like a run's command line (lists as [a,b] or a,b), read by the
-command line's shared parsers (cli.py) rather than Hydra: there is nothing to compose.
+shared argument readers (arguments.py) rather than Hydra: there is nothing to compose.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from calm_lightning.arguments import key_value_arguments, parse_bool, parse_list
 from calm_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+# A long single action: show the project's INFO log lines (arguments.invoke).
+LOGS_PROGRESS = True
 
 USAGE = (
     "usage: python -m calm_lightning.retention run_dir=<run dir> [tasks=[piqa,winogrande]] "
@@ -70,7 +73,7 @@ def settings_for(run_cfg, arguments: dict):
     """The run's own `evaluation.retention` block, then the command line on top."""
     from omegaconf import OmegaConf
 
-    from calm_lightning.evaluation.lm_eval_retention import RetentionSettings
+    from calm_lightning.evaluation.lm_eval_tasks import RetentionSettings
 
     block = (
         None if run_cfg is None else OmegaConf.select(run_cfg, "evaluation.retention", default=None)
@@ -102,9 +105,9 @@ def evaluate_run(
     the model); returns the retention.json it wrote."""
     from calm_lightning.evaluation.lm_eval_retention import RetentionStep
     from calm_lightning.evaluation.results import run_meta
-    from calm_lightning.exported.logits_processor import CALIBRATION_FILE
     from calm_lightning.exported.saved_run import inspect_run, load_base_model, target_dtype
     from calm_lightning.models.calibrated_lm import CalibratedLM
+    from calm_lightning.models.logits_processor import CALIBRATION_FILE
     from calm_lightning.runtime.run_record import is_run_dir, write_retention
 
     if not is_run_dir(run_dir) and (Path(run_dir) / CALIBRATION_FILE).is_file():
@@ -193,9 +196,9 @@ def command(args, parser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m calm_lightning.retention`: the same as `python -m calm_lightning retention`."""
-    from calm_lightning.cli import command_main
+    from calm_lightning.arguments import command_main
 
-    return command_main("retention", argv)
+    return command_main("calm_lightning.retention", argv)
 
 
 if __name__ == "__main__":

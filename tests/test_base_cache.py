@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from calm_lightning.data.sources import EmbeddedDemoSource
+from calm_lightning.evaluation.base_cache import BaseCache, Fingerprint, base_fingerprint
 from calm_lightning.methods.base import method_class
 from calm_lightning.pipeline import run_experiment
 from calm_lightning.runtime import file_lock
-from calm_lightning.runtime.base_cache import BaseCache, Fingerprint, base_fingerprint
 from calm_lightning.runtime.run_record import BASE_CACHE_DIR, BASE_DIR, METRICS_FILE
 
 TINY_CALM = [
@@ -139,8 +139,8 @@ def test_a_moving_hub_revision_resolves_to_the_commit_read(tmp_path, monkeypatch
 
 
 def test_the_retention_fingerprint_holds_its_precision(compose, monkeypatch):
-    from calm_lightning.evaluation.lm_eval_retention import RetentionSettings
-    from calm_lightning.runtime.base_cache import retention_fingerprint
+    from calm_lightning.evaluation.base_cache import retention_fingerprint
+    from calm_lightning.evaluation.lm_eval_tasks import RetentionSettings
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on any machine
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from calm_lightning.calibrators.cloze_temperature import (
+from calm_lightning.data.cloze_batches import encode_question
+from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.cloze import ClozeScores, score_cloze, score_cloze_separate
+from calm_lightning.evaluation.cloze_temperature import (
     fit_cloze_temperature,
     temperature_scales,
     temperature_terms,
 )
-from calm_lightning.data.cloze_batches import encode_question
-from calm_lightning.errors import ConfigError
-from calm_lightning.evaluation.cloze import ClozeScores, score_cloze, score_cloze_separate
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
 

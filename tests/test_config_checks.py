@@ -1,4 +1,4 @@
-"""Every config value is checked in one pass before anything heavy (runtime/validation.py):
+"""Every config value is checked in one pass before anything heavy (validation.py):
 the full key, the bad value and what is allowed, before the config is written, any data is
 read, any logger is created or any weights load."""
 
@@ -156,7 +156,7 @@ def shipped_choices() -> list[str]:
 def test_every_shipped_config_passes_validation(choice, compose, tmp_path):
     from calm_lightning.methods.base import method_class
     from calm_lightning.pipeline import build_sources
-    from calm_lightning.runtime.validation import validate_config
+    from calm_lightning.validation import validate_config
 
     # the tiny model and its reference model: every method's requirements can be met
     base = ["model=tiny", "reference_model=tiny_plm", *PAIRED.get(choice, [])]

@@ -874,7 +874,7 @@ def test_lm_evals_own_hf_model_on_the_calm_export_matches_our_retention(
     """Must-show: `lm_eval --model hf --model_args pretrained=<export>,trust_remote_code=True`
     scores PIQA (local files) as our retention scores the run: same accuracy (within 0.01) and
     the same per-choice log-likelihoods, which the head changes."""
-    from calm_lightning.evaluation.lm_eval_retention import local_task_config
+    from calm_lightning.evaluation.lm_eval_tasks import local_task_config
     from calm_lightning.retention import evaluate_run
 
     piqa = str(ROOT / "tests" / "fixtures" / "hub" / "piqa.jsonl")

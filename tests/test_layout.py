@@ -1,6 +1,7 @@
 """Test modules share composed configs and override lists through conftest.py fixtures, never
 by importing from each other or from conftest (a Hydra `_target_` string is no import); the
-package's files and functions stay short enough to read."""
+package's files and functions stay short enough to read, and docs/architecture.md lists every
+one of its files."""
 
 from __future__ import annotations
 
@@ -63,3 +64,50 @@ def test_the_size_rule_on_hand_made_modules(tmp_path):
     for name, (source, expected) in cases.items():
         (tmp_path / name).write_text(source)
         assert _oversized(tmp_path / name) == expected, name
+
+
+ARCHITECTURE = TESTS.parent / "docs" / "architecture.md"
+PY_NAME = re.compile(r"(?<![\w/.])(\w+\.py)\b")  # a bare file name, not a path into another folder
+
+
+def listed_modules(text: str) -> set[str]:
+    """The package's files as the `calm_lightning/` tree of docs/architecture.md's "Where things
+    live" lists them: a root module is an entry of its own (`  run.py`), a package's files are
+    the bare file names its entry (`  runtime/` and its indented lines) mentions."""
+    block = text.split("\n## Where things live\n", 1)[1].split("```", 2)[1]
+    lines = block.split("\ncalm_lightning/\n", 1)[1].splitlines()
+    listed, package = set(), None
+    for line in lines:
+        if not line.startswith(" "):
+            break  # the next top-level entry: the package's tree is over
+        if not line.startswith("   "):  # an entry: two spaces, then its name
+            name, _, line = line.strip().partition(" ")
+            package = name.rstrip("/") if name.endswith("/") else None
+            if package is None:
+                listed.add(name)
+        if package is not None:
+            listed |= {f"{package}/{found}" for found in PY_NAME.findall(line)}
+    return listed
+
+
+def test_the_architecture_doc_lists_every_module():
+    """Every file of the package (a subpackage's __init__.py aside) is listed in
+    docs/architecture.md, and every file listed there exists."""
+    on_disk = {
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "__init__.py" or path.parent == PACKAGE
+    }
+    listed = listed_modules(ARCHITECTURE.read_text())
+    assert on_disk - listed == set(), "list these in docs/architecture.md, Where things live"
+    assert listed - on_disk == set(), "docs/architecture.md lists files that do not exist"
+
+
+def test_the_module_list_is_read_from_the_package_tree():
+    text = (
+        "# Doc\n\n## Where things live\n\n```\ndocs/      notes.py is not ours\ncalm_lightning/\n"
+        "  run.py        the command (also cli.py)\n  data/         records.py,\n"
+        "                models/x.py (elsewhere), files.py\n  pipeline.py   the run\n"
+        "tests/     test_x.py\n```\n"
+    )
+    assert listed_modules(text) == {"run.py", "data/records.py", "data/files.py", "pipeline.py"}

@@ -9,11 +9,11 @@ import torch
 
 from calm_lightning.data.sources import EmbeddedDemoSource
 from calm_lightning.errors import ConfigError, ExportError
+from calm_lightning.evaluation.base_cache import base_fingerprint
 from calm_lightning.methods.base import method_class
 from calm_lightning.models.loading import load_language_model
 from calm_lightning.models.logit_distortion import LogitDistortion, resolve_distortion
 from calm_lightning.pipeline import run_experiment
-from calm_lightning.runtime.base_cache import base_fingerprint
 
 TINY = {"name": "tiny", "source": "tiny", "tiny": {"embedding_scale": 1.0}}
 RUN = [

@@ -179,7 +179,7 @@ def test_a_local_multirun_of_ddp_jobs_is_refused_but_not_through_slurm(in_job):
     # Lightning would start each job's second process by re-running the whole sweep.
     import lightning as L
 
-    from calm_lightning.runtime.validation import check_world_size
+    from calm_lightning.validation import check_world_size
 
     ddp = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
     assert ddp.world_size == 2

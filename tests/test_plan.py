@@ -332,7 +332,7 @@ def test_a_trainer_limit_or_the_methods_own_epoch_size_wins_over_the_budget():
 
 def test_the_base_model_is_charged_once_per_base_cache_entry_of_a_sweep():
     """evaluation.base_cache (the default) scores the untouched model once per sweep folder
-    and key (runtime/base_cache.py): the grid's first job pays for it, the others read it."""
+    and key (evaluation/base_cache.py): the grid's first job pays for it, the others read it."""
     jobs = _grid_plan("calm_id")
     assert [j.base_read_from for j in jobs] == [None, 0, 0, 0, 0, 0]
     first, later = jobs[0].estimate["eval_s"], jobs[1].estimate["eval_s"]

@@ -15,11 +15,8 @@ import pytest
 import torch
 
 from calm_lightning.errors import ConfigError, DataFormatError, DataUnavailableError
-from calm_lightning.evaluation.lm_eval_retention import (
-    RetentionSettings,
-    load_tasks,
-    run_lm_eval,
-)
+from calm_lightning.evaluation.lm_eval_retention import run_lm_eval
+from calm_lightning.evaluation.lm_eval_tasks import RetentionSettings, load_tasks
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
 
@@ -287,6 +284,7 @@ def test_default_config_runs_no_retention_and_overrides_reach_the_settings(compo
 def test_importing_the_package_and_the_pipeline_does_not_import_lm_eval():
     code = (
         "import sys, calm_lightning, calm_lightning.evaluation.lm_eval_retention;"
+        "import calm_lightning.evaluation.lm_eval_tasks;"
         "import calm_lightning.retention;"
         "import calm_lightning.pipeline; print('lm_eval' in sys.modules)"
     )

@@ -120,29 +120,3 @@ def test_a_failed_job_and_a_folder_that_is_no_run(tmp_path):
         read_run(tmp_path / "missing")
     with pytest.raises(RunRecordError, match="has no predictions.jsonl"):
         record.predictions()
-
-
-def _project_imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    found |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    return {m for m in found if m.startswith("calm_lightning.")}
-
-
-def test_no_import_points_upward():
-    package = ROOT / "calm_lightning"
-    forbidden = {
-        "data": ("methods", "reporting", "pipeline", "evaluation"),
-        "models": ("methods", "reporting", "pipeline", "evaluation"),
-        "metrics": ("methods", "reporting", "pipeline"),
-        "calibrators": ("methods", "reporting", "pipeline"),
-        "evaluation": ("methods", "reporting", "pipeline"),
-    }
-    offenders = []
-    for layer, above in forbidden.items():
-        for path in (package / layer).rglob("*.py"):
-            for module in _project_imports(path):
-                top = module.split(".")[1]
-                if top in above:
-                    offenders.append(f"{path.relative_to(ROOT)} imports {module}")
-    assert not offenders, offenders

@@ -12,7 +12,8 @@ logsumexp r_p of the logits of every id outside O, which the head leaves alone:
 
 with t the position's target. That is the vector head's z' = d * z + l over the whole
 vocabulary followed by the scorer's own log-softmax, so the installed head scores the
-calibration split exactly as the fit saw it.
+calibration split exactly as the fit saw it. The scorers build the rows: `letter_rows` here
+from letter logits, `cloze_rows` (evaluation/cloze.py) from a cloze pass over the model.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from calm_lightning.data.cloze_batches import encode_batch
-from calm_lightning.evaluation.cloze import shared_prompt_logits
 
 
 @dataclass
@@ -62,48 +60,6 @@ def letter_rows(logits: torch.Tensor) -> TokenRows:
         target=torch.arange(k).repeat(b),
         owner=torch.arange(b * k),
         lengths=torch.ones(b, k, dtype=torch.float64),
-    )
-
-
-@torch.no_grad()
-def cloze_rows(
-    model,
-    tokenizer,
-    questions: list[str],
-    choices: list,
-    token_ids: torch.Tensor,
-    prompt: str = "chat",
-    max_length: int | None = None,
-    normalize: str = "none",
-) -> TokenRows:
-    """Rows of cloze scoring on the model's own logits (head off): every continuation
-    position, with O = `token_ids` (which must hold every continuation token)."""
-    encoded, k = encode_batch(tokenizer, questions, choices, prompt, max_length)
-    logits, cont_ids, cont_mask = shared_prompt_logits(model, tokenizer, encoded, k)
-    keep = cont_mask.bool()
-    flat = logits.float()[keep]  # (P, V), positions in (row, position) order
-    targets = cont_ids[keep]
-    ids = token_ids.to(flat.device)
-    index = torch.full((flat.shape[-1],), -1, dtype=torch.long, device=flat.device)
-    index[ids] = torch.arange(len(ids), device=flat.device)
-    target = index[targets]
-    if bool((target < 0).any()):
-        raise ValueError("cloze_rows: a continuation token is not among the head's token ids")
-    outside = flat.index_fill(-1, ids, float("-inf"))
-    owner = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)[keep]
-    n_tokens = keep.sum(-1).double().cpu().view(len(encoded), k)
-    n_chars = torch.tensor([n for _, _, ns in encoded for n in ns], dtype=torch.float64)
-    lengths = {
-        "none": torch.ones_like(n_tokens),
-        "tokens": n_tokens,
-        "chars": n_chars.view(len(encoded), k),
-    }[normalize]
-    return TokenRows(
-        z=flat.index_select(-1, ids).double().cpu(),
-        rest=torch.logsumexp(outside, dim=-1).double().cpu(),
-        target=target.cpu(),
-        owner=owner.cpu(),
-        lengths=lengths.clamp(min=1),
     )
 
 

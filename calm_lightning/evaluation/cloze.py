@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from calm_lightning.calibrators.vector_scaling import TokenRows
 from calm_lightning.data.cloze_batches import encode_batch, separate_rows
 from calm_lightning.data.collate import pad_left
 from calm_lightning.evaluation.sampling import _cache_names, prefill_repeated
@@ -100,6 +101,48 @@ def score_cloze(
     logits, cont_ids, cont_mask = shared_prompt_logits(model, tokenizer, encoded, k)
     loglik = _continuation_loglik(model, logits, cont_ids, cont_mask)
     return option_scores(loglik, encoded, k)
+
+
+@torch.no_grad()
+def cloze_rows(
+    model,
+    tokenizer,
+    questions: list[str],
+    choices: list,
+    token_ids: torch.Tensor,
+    prompt: str = "chat",
+    max_length: int | None = None,
+    normalize: str = "none",
+) -> TokenRows:
+    """Rows of cloze scoring on the model's own logits (head off): every continuation
+    position, with O = `token_ids` (which must hold every continuation token)."""
+    encoded, k = encode_batch(tokenizer, questions, choices, prompt, max_length)
+    logits, cont_ids, cont_mask = shared_prompt_logits(model, tokenizer, encoded, k)
+    keep = cont_mask.bool()
+    flat = logits.float()[keep]  # (P, V), positions in (row, position) order
+    targets = cont_ids[keep]
+    ids = token_ids.to(flat.device)
+    index = torch.full((flat.shape[-1],), -1, dtype=torch.long, device=flat.device)
+    index[ids] = torch.arange(len(ids), device=flat.device)
+    target = index[targets]
+    if bool((target < 0).any()):
+        raise ValueError("cloze_rows: a continuation token is not among the head's token ids")
+    outside = flat.index_fill(-1, ids, float("-inf"))
+    owner = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)[keep]
+    n_tokens = keep.sum(-1).double().cpu().view(len(encoded), k)
+    n_chars = torch.tensor([n for _, _, ns in encoded for n in ns], dtype=torch.float64)
+    lengths = {
+        "none": torch.ones_like(n_tokens),
+        "tokens": n_tokens,
+        "chars": n_chars.view(len(encoded), k),
+    }[normalize]
+    return TokenRows(
+        z=flat.index_select(-1, ids).double().cpu(),
+        rest=torch.logsumexp(outside, dim=-1).double().cpu(),
+        target=target.cpu(),
+        owner=owner.cpu(),
+        lengths=lengths.clamp(min=1),
+    )
 
 
 def option_scores(loglik: torch.Tensor, encoded, k: int) -> ClozeScores:

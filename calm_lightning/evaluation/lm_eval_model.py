@@ -63,7 +63,7 @@ class CalibratedHFLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         from transformers import LogitsProcessorList
 
-        from calm_lightning.exported.logits_processor import CalibrationLogitsProcessor
+        from calm_lightning.models.logits_processor import CalibrationLogitsProcessor
 
         # The processor freezes the head it is given (meant for exported models); a head
         # borrowed from a live method gets its training flags back afterwards.

@@ -5,7 +5,7 @@ retention, and the keys the pipeline reads itself."""
 from __future__ import annotations
 
 from calm_lightning.config_rules import Flag, Number, Text
-from calm_lightning.evaluation.lm_eval_retention import RetentionSettings
+from calm_lightning.evaluation.lm_eval_tasks import RetentionSettings
 from calm_lightning.evaluation.openqa import OpenQASettings
 from calm_lightning.evaluation.scorers import SCORING_RULES, ClozeScorer
 

@@ -27,7 +27,13 @@ from calm_lightning.config_rules import Number, OneOf, check_values
 from calm_lightning.data.cloze_batches import PROMPTS, ClozeTrainingCollator
 from calm_lightning.data.collate import select_response_logits
 from calm_lightning.data.prompts import OPTION_LETTERS
-from calm_lightning.evaluation.cloze import NORMALIZE, ClozeScores, cloze_predictions, score_cloze
+from calm_lightning.evaluation.cloze import (
+    NORMALIZE,
+    ClozeScores,
+    cloze_predictions,
+    cloze_rows,
+    score_cloze,
+)
 from calm_lightning.evaluation.mcqa import (
     STYLES,
     OptionTokens,
@@ -293,7 +299,7 @@ class ClozeScorer(MCQAScorer):
         return {"acc_norm": float((chosen == gold).double().mean())}
 
     def temperature_rows(self, model, tokenizer, batch, option_tokens, max_length=None):
-        from calm_lightning.calibrators.cloze_temperature import (
+        from calm_lightning.evaluation.cloze_temperature import (
             temperature_scales,
             temperature_terms,
         )
@@ -310,7 +316,7 @@ class ClozeScorer(MCQAScorer):
         return scores, lse
 
     def fit_temperature(self, rows: list, labels: torch.Tensor) -> TemperatureFit:
-        from calm_lightning.calibrators.cloze_temperature import (
+        from calm_lightning.evaluation.cloze_temperature import (
             fit_cloze_temperature,
             temperature_scales,
         )
@@ -329,8 +335,6 @@ class ClozeScorer(MCQAScorer):
         return option_text_ids(tokenizer, records, self.prompt)  # every option text's tokens
 
     def head_rows(self, model, tokenizer, batch, option_tokens, token_ids, max_length=None):
-        from calm_lightning.calibrators.vector_scaling import cloze_rows
-
         return cloze_rows(
             model,
             tokenizer,

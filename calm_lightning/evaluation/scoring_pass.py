@@ -4,8 +4,9 @@
 scores its share; rank 0 writes the gathered predictions and the reliability diagram).
 `evaluate_base` and `evaluate_base_retention` give the base row and the base retention row:
 read from the sweep's cache where an earlier job with the same fingerprint measured them
-(runtime/base_cache.py), else measured here and stored; either way the run's folder holds the
-same files and the method's row is scored as if the base had been measured here.
+(evaluation/base_cache.py), else measured here and stored; either way the run's folder holds the
+same files and the method's row is scored as if the base had been measured here. `base_rows`
+is the pipeline's step before calibration: whichever of the two the run asks for.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from calm_lightning.evaluation.base_cache import BaseCache, base_fingerprint, retention_fingerprint
 from calm_lightning.evaluation.lm_eval_retention import preserved_rng
 from calm_lightning.evaluation.mcqa import OptionTokens
 from calm_lightning.evaluation.results import run_meta
 from calm_lightning.models.calibrated_lm import CalibratedLM
-from calm_lightning.runtime.base_cache import BaseCache, base_fingerprint, retention_fingerprint
 from calm_lightning.runtime.distributed import is_main_process
 from calm_lightning.runtime.run_record import (
     BASE_DIR,
@@ -97,3 +98,25 @@ def evaluate_base_retention(retention, module, tokenizer, cfg, out: Path, cache:
         if is_main_process():
             cache.restore(record["entry"], folder)
     return record
+
+
+def base_rows(
+    trainer, module, datamodule, retention, tokenizer, cfg: DictConfig, out: Path, stopwatch
+) -> tuple[dict[str, dict], dict]:
+    """Before calibration, while the adapters are zero and the head is the identity: the
+    untouched model's row (when the method changes the model and `compare_with_base` is on)
+    and its retention row (when retention runs), each scored here or read from the sweep's
+    cache. Returns the compared rows so far and what the cache gave (metrics.json's
+    `base_cache`)."""
+    rows: dict[str, dict] = {}
+    cache, cached = BaseCache.from_config(cfg), {}
+    if module.changes_model and cfg.evaluation.get("compare_with_base", True):
+        with stopwatch.phase("evaluate_base"):
+            base, cached["base"] = evaluate_base(trainer, module, datamodule, cfg, out, cache)
+        rows["base"] = base.metrics
+    if retention.enabled:
+        with stopwatch.phase("retention_base"):
+            cached["retention_base"] = evaluate_base_retention(
+                retention, module, tokenizer, cfg, out, cache
+            )
+    return rows, cached

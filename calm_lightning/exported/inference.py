@@ -14,8 +14,8 @@ import torch
 from calm_lightning.data.prompts import render_prompt
 from calm_lightning.evaluation.mcqa import OptionTokens, option_token_candidates
 from calm_lightning.evaluation.scorers import scorer_from_prompt
-from calm_lightning.exported.logits_processor import CalibrationLogitsProcessor, read_calibration
 from calm_lightning.models.calibrated_lm import ADAPTER_DIR, CalibratedLM
+from calm_lightning.models.logits_processor import CalibrationLogitsProcessor, read_calibration
 
 
 class CalibratedModel:

@@ -24,7 +24,6 @@ from calm_lightning.exported.folding import (
     adapts_output,
     place_head,
 )
-from calm_lightning.exported.logits_processor import CALIBRATION_FILE
 from calm_lightning.exported.private_paths import check_no_private_path, private_paths
 from calm_lightning.exported.saved_run import (
     RunToExport,
@@ -34,6 +33,7 @@ from calm_lightning.exported.saved_run import (
 )
 from calm_lightning.models.calibrated_lm import ADAPTER_DIR
 from calm_lightning.models.logit_adjustment import HEAD_FILE
+from calm_lightning.models.logits_processor import CALIBRATION_FILE
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,8 @@ def portable_source(module) -> str:
 
 def _write_portable_code(folder: Path, model_class: type) -> None:
     """The head's module, the custom modeling code on `model_class` and the processor."""
-    from calm_lightning.exported import hub_modeling, logits_processor
-    from calm_lightning.models import logit_adjustment
+    from calm_lightning.exported import hub_modeling
+    from calm_lightning.models import logit_adjustment, logits_processor
 
     (folder / HEAD_MODULE).write_text(portable_source(logit_adjustment))
     (folder / PROCESSOR_MODULE).write_text(portable_source(logits_processor))

@@ -137,7 +137,7 @@ class CalibrationMethod(L.LightningModule):
 
     def check_arguments(self, **values) -> None:
         """The class's `config_rules` applied to constructor arguments: the same checks the
-        pipeline runs on the config before any model loads (runtime/validation.py). Each class
+        pipeline runs on the config before any model loads (validation.py). Each class
         checks the arguments it takes (a rule `a.b` belongs to the argument `a`)."""
         rules = merged_rules(type(self))
         mine = {key: rule for key, rule in rules.items() if key.split(".")[0] in values}

@@ -1,1 +1,2 @@
-"""Model loading (embedded GGUF, hub, tiny), LoRA wrapping and the logit-adjustment head."""
+"""Model loading (embedded GGUF, hub, tiny), LoRA wrapping, the logit-adjustment head and its
+logits processor for `generate`."""

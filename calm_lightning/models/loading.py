@@ -32,7 +32,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TOKENIZERS = ("embedded", "bytes")  # a random-weight model's: SmolLM2's, or one token per byte
 
 # The keys of a `conf/model/*.yaml` (and `conf/reference_model/*.yaml`) node. The loader checks
-# the values it reads with these rules, and runtime/validation.py checks the composed config
+# the values it reads with these rules, and validation.py checks the composed config
 # with them before anything loads. `shape` is checked by `get_shape` (models/shapes.py).
 MODEL_RULES = {
     "name": Text(),

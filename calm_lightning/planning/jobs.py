@@ -13,11 +13,11 @@ from importlib import resources
 from omegaconf import OmegaConf
 
 from calm_lightning.errors import ConfigError
+from calm_lightning.evaluation.base_cache import NOT_MODEL, NOT_SCORING
 from calm_lightning.models.lora import checkpointing_enabled
 from calm_lightning.models.shapes import Shape, parameter_count
 from calm_lightning.planning import cost_model
 from calm_lightning.planning.passes import CALM_METHODS
-from calm_lightning.runtime.base_cache import NOT_MODEL, NOT_SCORING
 
 CONF_PACKAGE = "calm_lightning.conf"  # the config tree (top-level conf/ in a checkout)
 
@@ -175,7 +175,7 @@ def batches_per_epoch(rows: int | None, batch: int, epoch_batches, limit) -> int
 
 
 def base_cache_key(cfg, sweep: str | None) -> str | None:
-    """What the job's cached base row depends on (runtime/base_cache.py's fingerprint, as far
+    """What the job's cached base row depends on (evaluation/base_cache.py's fingerprint, as far
     as the config tells it), None when the job does not share one: the base model is not
     scored (`compare_with_base` off), or is scored by every job (`base_cache` off, or a run in
     its own folder). The fingerprint also holds the test records' content and the code: the

@@ -23,7 +23,7 @@ A run directory::
     wandb_id.txt           the W&B run id, so a resumed run continues the same W&B run
     failed.json            (multirun) why the job failed
 
-A sweep's (or single run's) cache of base rows (runtime/base_cache.py)::
+A sweep's (or single run's) cache of base rows (evaluation/base_cache.py)::
 
     base_cache/<kind>-<digest>/   one entry: cache_entry.json (fingerprint, payload) and the
                                   row's files (base: metrics.json, predictions.jsonl,

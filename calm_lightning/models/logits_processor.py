@@ -6,8 +6,10 @@ Only torch, safetensors, transformers (and huggingface_hub, for a Hub id) are im
 besides the head's own module: the export copies this file into its folder as
 `calibration_processor.py`, where it runs without this project installed
 (`transformers.dynamic_module_utils.get_class_from_dynamic_module(
-"calibration_processor.CalibrationLogitsProcessor", folder_or_hub_id)`). The folder format is
-described in docs/export.md; `python -m calm_lightning.export` writes it.
+"calibration_processor.CalibrationLogitsProcessor", folder_or_hub_id)`). It lives beside the
+head it applies (logit_adjustment.py), below evaluation, which samples retention tasks through
+it. The folder format is described in docs/export.md; `python -m calm_lightning.export`
+writes it.
 """
 
 from __future__ import annotations
