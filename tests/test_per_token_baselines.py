@@ -162,6 +162,30 @@ def test_cc_divides_by_the_content_free_probabilities(tmp_path, compose):
     assert saved["posthoc"]["content_free"] == ["N/A", "", "[MASK]"]
 
 
+def test_bc_under_letter_scoring_divides_by_the_mean_test_probabilities(tmp_path, compose):
+    _run(compose, tmp_path, "method=bc", "evaluation.scoring=letter")
+    _, base, _ = _probs(tmp_path / BASE_DIR)
+    _, bc, _ = _probs(tmp_path)
+    expected = base / base.mean(0)
+    expected /= expected.sum(1, keepdims=True)
+    np.testing.assert_allclose(bc, expected, atol=2e-5)
+
+
+def test_cc_under_letter_scoring_divides_by_one_question_free_letter_prior(tmp_path, compose):
+    """Letter scoring: the content-free input replaces the question and every option text, so
+    its prompt, and p_cf, is the same for every question with the same number of options:
+    the correction is one prior over the letters, p / p_cf renormalised."""
+    _, saved = _run(compose, tmp_path, "method=cc", "evaluation.scoring=letter")
+    _, base, _ = _probs(tmp_path / BASE_DIR)
+    _, cc, _ = _probs(tmp_path)
+    p_cf = np.array(saved["posthoc"]["p_cf_mean"])
+    assert p_cf.sum() == pytest.approx(1.0, abs=1e-6)
+    assert np.abs(p_cf - 1 / len(p_cf)).max() > 1e-4  # the letters are not equally likely
+    expected = base / p_cf
+    expected /= expected.sum(1, keepdims=True)
+    np.testing.assert_allclose(cc, expected, atol=5e-5)
+
+
 def test_cc_ts_fits_a_temperature_on_the_corrected_calibration_logits(tmp_path, compose):
     _, saved = _run(compose, tmp_path, "method=cc_ts")
     info = saved["posthoc"]

@@ -45,11 +45,13 @@ def mcqa_evaluation(predictions, metrics: dict, meta: dict) -> Evaluation:
         rows.append(
             {
                 "id": example_id,
-                "probs": [round(float(p), 6) for p in probs],
+                # 6 significant digits, not decimals: a paired NLL read back from this file
+                # needs the gold option's probability when it is tiny (1e-12 is not 0).
+                "probs": [float(f"{float(p):.6g}") for p in probs],
                 "label": int(label),
                 "prediction": prediction,
                 "predicted_letter": letters[prediction],
-                "confidence": round(float(probs[prediction]), 6),
+                "confidence": float(f"{float(probs[prediction]):.6g}"),
                 "correct": prediction == int(label),
             }
         )
