@@ -84,13 +84,17 @@ class LogitAdjustment(nn.Module):
             z = z - torch.logsumexp(z, dim=-1, keepdim=True)
         elif self.center == "mean":
             z = z - z.mean(dim=-1, keepdim=True)
-        scale, bias = self.scale, self.bias
+        scale, bias, per_token = self.entries()
         if token_ids is not None:
             z = z.index_select(-1, token_ids)
-            if self.kind == "vector":
+            if per_token:
                 scale, bias = scale.index_select(0, token_ids), bias.index_select(0, token_ids)
         # One fused op: z * scale + bias would keep an extra (N, V) intermediate alive.
         return torch.addcmul(bias, z, scale)
+
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(d, l, whether they have one entry per vocabulary id) as forward applies them."""
+        return self.scale, self.bias, self.kind == "vector"
 
     def extra_repr(self) -> str:
         return (

@@ -86,22 +86,8 @@ class TokenLogitAdjustment(LogitAdjustment):
         bias = torch.zeros(self.vocab_size, device=d0.device).index_add(0, self.support, self.bias)
         return d, bias
 
-    def forward(self, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if logits.shape[-1] != self.vocab_size:
-            raise ValueError(
-                f"logits have {logits.shape[-1]} entries but the head was built for "
-                f"{self.vocab_size} (vocabulary mismatch between model and head)"
-            )
-        z = logits.float()
-        if self.center == "logsumexp":
-            z = z - torch.logsumexp(z, dim=-1, keepdim=True)
-        elif self.center == "mean":
-            z = z - z.mean(dim=-1, keepdim=True)
-        scale, bias = self.dense()
-        if token_ids is not None:
-            z = z.index_select(-1, token_ids)
-            scale, bias = scale.index_select(0, token_ids), bias.index_select(0, token_ids)
-        return torch.addcmul(bias, z, scale)
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        return (*self.dense(), True)
 
     def to_vector(self) -> LogitAdjustment:
         """The same function as a plain vector head (linear d), for evaluation and exports."""
