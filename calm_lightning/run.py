@@ -12,8 +12,9 @@ from omegaconf import DictConfig
 
 import calm_lightning.runtime.resolvers  # noqa: F401  (importing it registers the resolvers)
 from calm_lightning.errors import CalmLightningError
+from calm_lightning.runtime.job_process import run_in_own_process
 from calm_lightning.runtime.multirun import in_multirun
-from calm_lightning.runtime.parallel import release_job_device
+from calm_lightning.runtime.parallel import release_job_device, under_joblib
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,17 @@ log = logging.getLogger(__name__)
 # mapped into the package by pyproject.toml), found the same way in a checkout and a wheel.
 @hydra.main(version_base="1.3", config_path="pkg://calm_lightning.conf", config_name="run")
 def main(cfg: DictConfig) -> float | None:
-    """Run one job; returns the sweep objective (conf-ECE, penalised below the accuracy bar).
+    """Run one job (`run_job`). Under the parallel launcher (Hydra's joblib plugin) the job
+    runs in a process of its own that the joblib worker waits for, so that a job killed by
+    the out-of-memory killer fails alone instead of stopping the sweep
+    (runtime/job_process.py)."""
+    if under_joblib():
+        return run_in_own_process("calm_lightning.run:run_job", cfg)
+    return run_job(cfg)
+
+
+def run_job(cfg: DictConfig) -> float | None:
+    """One job; returns the sweep objective (conf-ECE, penalised below the accuracy bar).
 
     In a multirun a failing job is recorded in its output dir (failed.json) and the sweep goes
     on with the next job. A single run that fails on something the user can fix (a config

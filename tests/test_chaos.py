@@ -44,15 +44,18 @@ RECORD = re.compile(r"(metrics\.json|predictions\.jsonl|job\.json|attempts\.json
 
 
 class SigkillOnce(L.Callback):
-    """SIGKILLs its own process the first time `moment` comes (a marker file remembers)."""
+    """SIGKILLs its own process the first time `moment` comes (a marker file remembers; jobs
+    running at once race for it, and one wins)."""
 
     def __init__(self, moment: str, marker: str) -> None:
         self.moment, self.marker = moment, Path(marker)
 
     def _die(self) -> None:
-        if not self.marker.exists():
-            self.marker.write_text("killed")
-            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if self.moment == "save" and trainer.global_step >= 3:
@@ -210,3 +213,47 @@ def test_a_job_longer_than_its_time_limit_is_requeued_by_submitit_and_finishes(t
     assert attempts[0] == {**attempts[0], "reason": "fresh", "start_step": 0}
     assert all(a["reason"] == "requeue" and a["start_step"] > 0 for a in attempts[1:]), attempts
     assert not list(sweep.rglob("failed.json"))
+
+
+@pytest.mark.integration
+def test_a_parallel_sweep_outlives_a_killed_job_and_a_relaunch_reruns_only_it(tmp_path):
+    """hydra/launcher=parallel, 3 jobs 2 at a time: one job's process is SIGKILLed inside a
+    checkpoint save (as the out-of-memory killer would); the other two finish, the sweep ends
+    normally with that job's failed.json, and the same command again reruns that job alone,
+    from its checkpoint. (Before, joblib's loky pool broke and the whole sweep stopped.)"""
+    sweep, marker = tmp_path / "sweep", tmp_path / "save.marker"
+    command = [
+        "hydra/launcher=parallel",
+        "hydra.launcher.n_jobs=2",
+        "trainer=parallel_job",
+        "method.module.surrogate.schedule=per_step",
+        "method.module.upper_lr=0.01,0.05,0.1",
+        "+callbacks.chaos._target_=tests.test_chaos.SigkillOnce",
+        "+callbacks.chaos.moment=save",
+        f"+callbacks.chaos.marker={marker}",  # one job dies, once: the marker remembers
+    ]
+    started = time.monotonic()
+    assert _finish(_launch(sweep, *command, grid=False)) == 0
+    first = time.monotonic() - started
+    assert marker.exists()
+    jobs = _jobs(sweep)
+    assert len(jobs) == 3
+    (killed,) = [job for job in jobs if (job / "failed.json").is_file()]
+    error = json.loads((killed / "failed.json").read_text())["error"]
+    assert "killed by SIGKILL" in error and "relaunch the same command" in error, error
+    assert not (killed / "metrics.json").exists()
+    finished = [job for job in jobs if job != killed]
+    assert all((job / "metrics.json").is_file() for job in finished)
+    kept = {p: t for p, t in _record_state(sweep).items() if killed.name not in p}
+
+    started = time.monotonic()
+    assert _finish(_launch(sweep, *command, grid=False)) == 0
+    relaunch = time.monotonic() - started
+    assert all((job / "metrics.json").is_file() for job in jobs)
+    assert not list(sweep.rglob("failed.json"))
+    assert {p: t for p, t in _record_state(sweep).items() if killed.name not in p} == kept
+    attempts = json.loads((killed / "metrics.json").read_text())["attempts"]
+    assert [a["reason"] for a in attempts] == ["fresh", "resume"], attempts
+    assert attempts[1]["start_step"] > 0
+    assert "killed by SIGKILL" in attempts[1]["previous_failure"]
+    print(f"first launch {first:.0f} s (one job killed), relaunch {relaunch:.0f} s")

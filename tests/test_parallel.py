@@ -113,6 +113,36 @@ def test_each_job_takes_a_free_gpu_and_a_freed_one_is_reused(in_job, monkeypatch
     assert parallel.job_devices() == 1  # no GPU: the CPU
 
 
+def test_the_gpu_a_job_took_from_the_pool_is_not_part_of_its_identity(in_job, monkeypatch,
+                                                                      tmp_path):  # fmt: skip
+    """A relaunched job that gets another GPU is the same job (same digest), so its folder,
+    checkpoints and metrics stay its own; a GPU asked for by number still counts."""
+    from omegaconf import open_dict
+
+    from calm_lightning.runtime.job_state import config_digest
+
+    def job_config(overrides):
+        cfg = in_job(["hydra/launcher=parallel", "trainer=parallel_job", *overrides]).copy()
+        with open_dict(cfg):
+            del cfg["hydra"]  # a job's config holds no hydra node (HydraConfig has it)
+        return cfg
+
+    monkeypatch.setattr(parallel, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(parallel, "parallel_jobs", lambda: 2)
+    sweep = tmp_path / "sweep"
+    cfg = job_config([f"hydra.sweep.dir={sweep}"])
+    first = config_digest(cfg)
+    assert cfg.trainer.devices == [0]
+    parallel.release_job_device()  # the launch ends; on relaunch another job holds GPU 0
+    other = DevicePool.for_sweep(sweep, 2, 2).take()
+    try:
+        assert cfg.trainer.devices == [1]
+        assert config_digest(cfg) == first
+    finally:
+        other.release()
+    assert config_digest(job_config([f"hydra.sweep.dir={sweep}", "trainer.devices=[1]"])) != first
+
+
 def test_oversubscribed_jobs_spread_evenly_over_the_gpus(tmp_path):
     pool = DevicePool.for_sweep(tmp_path, gpus=2, jobs=5)  # 3 slots per GPU
     leases = [pool.take() for _ in range(5)]

@@ -4,8 +4,9 @@ Relaunching a sweep with the same `hydra.sweep.dir` maps every job to the folder
 (Hydra names job folders by their number and overrides). In that folder:
 
 * `job.json` holds the digest of the job's resolved config (`config_digest`: everything but
-  paths, launcher, logger, checkpoint cadence and display keys). A folder whose digest differs
-  is another job's: it is refused, naming both configs, never mixed or overwritten.
+  paths, launcher, logger, checkpoint cadence, display keys and the GPU a parallel job took
+  from its pool). A folder whose digest differs is another job's: it is refused, naming both
+  configs, never mixed or overwritten.
 * A job whose `metrics.json` exists with the same digest is finished: the launcher gets its
   stored objective back without a model being loaded or a file being touched.
 * One process at a time writes a job folder (`.job.lock`, held for the job's life): a second
@@ -58,6 +59,16 @@ def config_digest(cfg) -> str:
     from omegaconf import OmegaConf
 
     tree = OmegaConf.to_container(cfg, resolve=True)
+    # A parallel sweep's job runs on whichever GPU of the sweep's pool is free when it starts
+    # (`${calm_job_device:}` resolves to [g], runtime/parallel.py): where it runs, not what it
+    # computes, so a relaunch that gets another GPU is the same job. The digest keeps the
+    # request instead (on the CPU it resolves to 1, kept as it is).
+    trainer = OmegaConf.select(cfg, "trainer", default=None)
+    requested = OmegaConf.to_container(trainer) if OmegaConf.is_config(trainer) else {}
+    if "calm_job_device" in str(requested.get("devices")) and isinstance(
+        tree["trainer"].get("devices"), list
+    ):
+        tree["trainer"]["devices"] = requested["devices"]
     for dotted in IGNORED_KEYS:
         *parents, leaf = dotted.split(".")
         node = tree

@@ -1,7 +1,8 @@
 """Parallel local sweeps: several jobs of a multirun at once on one machine, through Hydra's
 joblib launcher (`hydra/launcher=parallel`, docs/running.md).
 
-Each job is one process (joblib's loky workers) with one device: `trainer=parallel_job` gives
+Each job is one process of its own (started and watched by one of joblib's loky workers, so a
+killed job fails alone: runtime/job_process.py) with one device: `trainer=parallel_job` gives
 each job a GPU no other job of the sweep holds (`${calm_job_device:}`, a pool of lock files in
 the sweep's folder: runtime/device_pool.py), given back when the job ends, or the CPU, where
 joblib already gives each worker cpu_count // n_jobs threads. What cannot work is refused
@@ -24,17 +25,23 @@ from calm_lightning.runtime.multirun import in_multirun
 from calm_lightning.runtime.strategies import is_multi_process, strategy_name
 
 
+def under_joblib() -> bool:
+    """Whether this process runs a job of a multirun launched by Hydra's joblib launcher."""
+    if not in_multirun():
+        return False
+    from hydra.core.hydra_config import HydraConfig
+
+    return "joblib" in str(HydraConfig.get().launcher.get("_target_", "")).lower()
+
+
 def parallel_jobs() -> int:
     """How many jobs the running multirun executes at once on this machine (1 outside a
     joblib-launched multirun; joblib's n_jobs=-1 means one per CPU core)."""
-    if not in_multirun():
+    if not under_joblib():
         return 1
     from hydra.core.hydra_config import HydraConfig
 
-    launcher = HydraConfig.get().launcher
-    if "joblib" not in str(launcher.get("_target_", "")).lower():
-        return 1
-    n_jobs = int(launcher.get("n_jobs", -1))
+    n_jobs = int(HydraConfig.get().launcher.get("n_jobs", -1))
     return (os.cpu_count() or 1) if n_jobs < 0 else n_jobs
 
 

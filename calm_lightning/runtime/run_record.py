@@ -195,7 +195,8 @@ def read_cache_entry(directory: str | Path) -> dict | None:
 
 def write_failure(directory: str | Path, err: BaseException) -> Path:
     """failed.json: why a sweep job stopped (the sweep goes on with the next job)."""
-    payload = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    payload = {"error": f"{type(err).__name__}: {err}", "traceback": trace}
     return _write_json(Path(directory) / FAILED_FILE, payload)
 
 
