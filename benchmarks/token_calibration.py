@@ -12,6 +12,9 @@ demo budget (12 outer steps of batch 4 for every training method, lower LR 1e-4)
 Stages, in order (an interrupted study resumes: records already in the results file are
 skipped, and a finished run folder is read, not rerun):
 
+0. `select`: calm_token's entry LR (TOKEN_LRS) by the lowest held-out NLL at k = 4, b*, seed 0
+   (`setting.test.split=heldout`: the upper level's own questions, whose labels it never reads;
+   S+ is then drawn from the held-out options, all inside the support);
 1. `key`: the falsification cell (k = 4, b*, demo_id), seeds 0-2, for base, ts, cc_ts, vs,
    oracle and calm_token, and vs / calm_token at b = 0 (the recovery slope's other end);
 2. `rows`: the other rows of the key cell (cc, bc, calm_scalar, calm_vector, calm_stop and the
@@ -79,9 +82,13 @@ FALSIFICATION = (
 )
 
 
-def common(k: float, b: float, setting: str, seed: int) -> dict:
+TOKEN_LRS = (0.3, 1.0, 3.0)  # calm_token's entry LR, chosen on the held-out split (stage select)
+
+
+def common(k: float, b: float, setting: str, seed: int, split: str = "test") -> dict:
     return {
         **study.EXTRA,
+        "setting.test.split": split,
         "model.logit_scale": k,
         "model.logit_distortion": f"{{bias: {b}, seed: {seed}}}",
         "setting": setting,
@@ -99,13 +106,18 @@ class Study:
         self.results, self.outputs, self.seeds = results, outputs, seeds
         self.records = study.load(results)
 
-    def run(self, row: str, k: float, b: float, setting: str, seed: int) -> dict:
-        meta = {"setting": setting, "k": k, "b": b, "seed": seed, "method": row}
+    def run(self, row, k, b, setting, seed, split="test", extra=None, label=None) -> dict:
+        """One run of ROWS[row] (+ `extra`), recorded as method `label` (default: row)."""
+        meta = {"setting": setting, "k": k, "b": b, "seed": seed, "method": label or row,
+                "split": split}  # fmt: skip
         for record in self.records:
-            if all(record.get(key) == value for key, value in meta.items()):
+            if all(record.get(key, "test") == value for key, value in meta.items()):
                 return record
-        run_dir = self.outputs / f"{setting}_k{k:g}_b{b:g}_s{seed}" / row
-        payload = study.run({**common(k, b, setting, seed), **ROWS[row]}, run_dir)
+        extra = dict(extra or {})
+        name = row + "".join(f"_{key.rsplit('.', 1)[-1]}{value:g}" for key, value in extra.items())
+        cell = f"{setting}_k{k:g}_b{b:g}_s{seed}" + ("" if split == "test" else f"_{split}")
+        run_dir = self.outputs / cell / name
+        payload = study.run({**common(k, b, setting, seed, split), **ROWS[row], **extra}, run_dir)
         metrics = payload["metrics"]
         record = {**meta, **{m: metrics.get(m) for m in (
             "accuracy", "nll", "brier", "conf_ece", "cw_ece", "mean_confidence")},
@@ -118,26 +130,53 @@ class Study:
         study.save(self.results, self.records)
         return record
 
+    def token_lr(self) -> float:
+        """calm_token's entry LR: the lowest held-out NLL over TOKEN_LRS (k = 4, b*, seed 0;
+        the held-out split is the upper level's own data, its labels unused there)."""
+        rows = [self.run("calm_token", 4.0, 4 * BSTAR, "demo_id", 0, "heldout",
+                         {"method.module.token_lr": lr}, f"calm_token_lr{lr:g}")
+                for lr in TOKEN_LRS]  # fmt: skip
+        best = min(zip(TOKEN_LRS, rows, strict=True), key=lambda pair: pair[1]["nll"])
+        return best[0]
+
+    def token_row(self, k, b, setting, seed) -> dict:
+        lr = {"method.module.token_lr": self.token_lr()}
+        return self.run("calm_token", k, b, setting, seed, extra=lr)
+
     def stage(self, name: str) -> None:
-        if name == "key":
+        if name == "select":
+            self.run("base", 4.0, 4 * BSTAR, "demo_id", 0, "heldout")
+            print(f"calm_token: token_lr {self.token_lr():g} (held-out NLL)")
+        elif name == "key":
             for seed in self.seeds:
                 for row in KEY_ROWS:
-                    self.run(row, 4.0, 4 * BSTAR, "demo_id", seed)
-                for row in ("vs", "calm_token"):
-                    self.run(row, 4.0, 0.0, "demo_id", seed)
+                    if row == "calm_token":
+                        self.token_row(4.0, 4 * BSTAR, "demo_id", seed)
+                    else:
+                        self.run(row, 4.0, 4 * BSTAR, "demo_id", seed)
+                self.run("vs", 4.0, 0.0, "demo_id", seed)
+                self.token_row(4.0, 0.0, "demo_id", seed)
         elif name == "rows":
             for seed in self.seeds:
                 for row in ROWS:
-                    self.run(row, 4.0, 4 * BSTAR, "demo_id", seed)
+                    if row != "calm_token":
+                        self.run(row, 4.0, 4 * BSTAR, "demo_id", seed)
         elif name == "cells":
             for k in (4.0, 1.0):
                 for b in (0.0, k * BSTAR):
                     for row in ROWS:
-                        self.run(row, k, b, "demo_id", 0)
+                        if row == "calm_token":
+                            self.token_row(k, b, "demo_id", 0)
+                        else:
+                            self.run(row, k, b, "demo_id", 0)
         elif name == "ood":
             for b in (4 * BSTAR, 0.0):
                 for row in ROWS:
-                    self.run(row, 4.0, b, "demo", 0)
+                    if row == "calm_token":  # OOD: no options in the training data
+                        lr = {"method.module.token_lr": self.token_lr()}
+                        self.run(row, 4.0, b, "demo", 0, extra=lr)
+                    else:
+                        self.run(row, 4.0, b, "demo", 0)
 
 
 # ----- analysis (reads the run folders) -----
@@ -224,7 +263,8 @@ def render(results: Path, table: Path, figure: Path) -> None:
     option_ids = sorted({i for item in test
                          for c in encode_question(tokenizer, item["question"], item["choices"],
                                                   "chat")[1] for i in c})  # fmt: skip
-    by = {(r["setting"], r["k"], r["b"], r["seed"], r["method"]): r for r in records}
+    by = {(r["setting"], r["k"], r["b"], r["seed"], r["method"]): r
+          for r in records if r.get("split", "test") == "test"}  # fmt: skip
     analysis = {"falsification": FALSIFICATION, "rows": [], "comparisons": []}
     for r in records:
         row = {k: v for k, v in r.items() if k not in ("token_head", "calm_steps", "posthoc")}
@@ -233,7 +273,7 @@ def render(results: Path, table: Path, figure: Path) -> None:
         if dist.get("token_ids") and r["b"]:
             row.update(selection_bias(r, tokenizer, test_by_id, set(dist["token_ids"])))
         clean = by.get((r["setting"], r["k"], 0.0, r["seed"], r["method"]))
-        if r["method"] in HEAD_ROWS and r["b"] and clean:
+        if r["method"] in HEAD_ROWS and r["b"] and clean and r.get("split", "test") == "test":
             row.update(recovery(r, clean, option_ids) or {})
         analysis["rows"].append(row)
     clean_base = [r for r in records if r["method"] == "base" and r["b"] == 0 and r["k"] == 1]
@@ -274,16 +314,20 @@ def markdown(analysis: dict) -> str:
              "`results/token_calibration.analysis.json`. Test split (held out from every fit).",
              "", "**Falsification.** " + analysis["falsification"],
              ""]  # fmt: skip
-    cells = sorted({(r["setting"], r["k"], r["b"]) for r in rows})
-    for setting, k, b in cells:
-        mine = [r for r in rows if (r["setting"], r["k"], r["b"]) == (setting, k, b)]
+    cells = sorted({(r.get("split", "test"), r["setting"], r["k"], r["b"]) for r in rows},
+                   key=lambda c: (c[0] != "test", c[1:]))  # fmt: skip
+    for split, setting, k, b in cells:
+        cell = (split, setting, k, b)
+        mine = [r for r in rows if (r.get("split", "test"), r["setting"], r["k"], r["b"]) == cell]
         seeds = sorted({r["seed"] for r in mine})
-        lines += [f"## {setting}, k = {k:g}, b = {b:g} (seeds {', '.join(map(str, seeds))})", "",
+        lines += [f"## {setting}, k = {k:g}, b = {b:g}, {split} split "
+                  f"(seeds {', '.join(map(str, seeds))})", "",
                   "| method | n | accuracy | NLL | Brier | conf-ECE | cw-ECE "
                   "| chosen / gold with S+ | recovery slope | RMSE on S+ "
                   "| mean Δl other tokens |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for method in ROWS:
+        order = list(ROWS) + sorted({r["method"] for r in mine} - set(ROWS))
+        for method in order:
             rs = [r for r in mine if r["method"] == method]
             if not rs:
                 continue
@@ -320,6 +364,7 @@ def _figure(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.get("split", "test") == "test" and r["method"] in ROWS]
     cells = sorted({(r["setting"], r["k"], r["b"]) for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     methods = [m for m in ROWS if any(r["method"] == m for r in rows)]
@@ -344,8 +389,8 @@ def _figure(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stages", nargs="+", default=["key", "rows", "cells", "ood"],
-                        choices=["key", "rows", "cells", "ood"])  # fmt: skip
+    parser.add_argument("--stages", nargs="+", default=["select", "key", "rows", "cells", "ood"],
+                        choices=["select", "key", "rows", "cells", "ood"])  # fmt: skip
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--outputs", type=Path, default=ROOT / "outputs" / "token_calibration")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
