@@ -49,13 +49,19 @@ def compare(pa, pb, labels, metric: str = "conf_ece", resamples: int = 2000, see
     import numpy as np
     from scipy import stats
 
-    from calm_lightning.metrics.calibration import classwise_ece, confidence_ece
+    from calm_lightning.metrics.calibration import (
+        accuracy,
+        classwise_ece,
+        confidence_ece,
+        negative_log_likelihood,
+    )
 
+    # The run's own metric functions: NLL caps -log p at the same eps as metrics.json.
     fn = {
         "conf_ece": confidence_ece,
         "classwise_ece": classwise_ece,
-        "nll": lambda p, y: float(-np.log(np.clip(p[np.arange(len(y)), y], 1e-300, None)).mean()),
-        "accuracy": lambda p, y: float((p.argmax(1) == y).mean()),
+        "nll": negative_log_likelihood,
+        "accuracy": accuracy,
     }[metric]
 
     def difference(index):

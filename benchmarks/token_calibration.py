@@ -270,7 +270,7 @@ def render(results: Path, table: Path, figure: Path) -> None:
         row = {k: v for k, v in r.items() if k not in ("token_head", "calm_steps", "posthoc")}
         row.update({"token_head": r.get("token_head")} if r.get("token_head") else {})
         dist = distortion_of(Path(r["run_dir"]))
-        if dist.get("token_ids") and r["b"]:
+        if dist.get("token_ids") and r["b"] and r.get("split", "test") == "test":
             row.update(selection_bias(r, tokenizer, test_by_id, set(dist["token_ids"])))
         clean = by.get((r["setting"], r["k"], 0.0, r["seed"], r["method"]))
         if r["method"] in HEAD_ROWS and r["b"] and clean and r.get("split", "test") == "test":

@@ -58,7 +58,8 @@ def test_method_files_hold_only_keys_the_code_reads(path):
     expected = {"name", "module"}
     expected |= {"epochs"} if issubclass(cls, TrainingMethod) else set()
     # the bilevel methods size their epoch by the budget group (conf/budget/)
-    expected |= {"epoch_batches"} if cls.__name__ in ("CALM", "Iterate") else set()
+    bilevel = any(k.__name__ in ("CALM", "Iterate") for k in cls.__mro__)  # calm_token too
+    expected |= {"epoch_batches"} if bilevel else set()
     expected |= {"head"} if cls.head == HEAD_CONFIGURED else set()
     assert set(node) == expected, f"{path.name}: keys {sorted(node)}, the class reads {expected}"
     module_keys = set(node["module"]) - {"_target_"}
