@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -142,9 +143,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_a_job_process_does_not_outlive_its_worker(in_job):
+def test_a_job_process_does_not_outlive_its_worker(in_job, monkeypatch, tmp_path):
     """A worker that dies (the sweep is stopping) takes its job with it: no job runs on
-    unsupervised, holding its folder's lock and its GPU."""
+    unsupervised, holding its folder's lock and its GPU, and the job process removes the
+    files the worker handed it the job through."""
+    exchange = tmp_path / "tmp"
+    exchange.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(exchange))  # the forked worker's too
     pid_file = Path(in_job.paths.output_dir) / "pid"
     worker = multiprocessing.get_context("fork").Process(target=_worker, args=(in_job,))
     worker.start()
@@ -159,3 +164,4 @@ def test_a_job_process_does_not_outlive_its_worker(in_job):
     while _alive(job):
         assert time.monotonic() < deadline, "the job process outlived its worker"
         time.sleep(0.1)
+    assert not list(exchange.iterdir())

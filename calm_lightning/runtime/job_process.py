@@ -24,6 +24,7 @@ import importlib
 import logging
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,11 +120,13 @@ def record_lost_job(folder: Path, status: int) -> None:
     log.error("job failed, the sweep continues: %s (%s)", what, folder / FAILED_FILE)
 
 
-def _die_with(worker: int) -> None:
-    """Kill this process when its worker is gone (it is then re-parented)."""
+def _die_with(worker: int, exchange: Path) -> None:
+    """Kill this process when its worker is gone (it is then re-parented), removing the
+    worker's exchange folder, which the worker can no longer remove."""
     while os.getppid() == worker:
         time.sleep(PARENT_POLL_S)
     print(f"job process {os.getpid()}: its worker {worker} is gone, stopping", file=sys.stderr)
+    shutil.rmtree(exchange, ignore_errors=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -141,10 +144,12 @@ def _answer(path: Path, kind: str, value) -> None:
 def main(argv: list[str] | None = None) -> None:
     """The job process: `python -m calm_lightning.runtime.job_process JOB ANSWER WORKER_PID`."""
     job, answer, worker = (argv if argv is not None else sys.argv[1:])[:3]
-    threading.Thread(target=_die_with, args=(int(worker),), daemon=True).start()
+    exchange = Path(job).parent
+    threading.Thread(target=_die_with, args=(int(worker), exchange), daemon=True).start()
     with open(job, "rb") as stream:
         sys.path[:] = pickle.load(stream)
         task, cfg, hydra_state = pickle.load(stream)
+    Path(job).unlink()  # read: a worker killed with its job (killpg) leaves less behind
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.utils import configure_log, setup_globals
 
