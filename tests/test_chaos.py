@@ -204,9 +204,6 @@ def test_a_job_longer_than_its_time_limit_is_requeued_by_submitit_and_finishes(t
         sweep,
         "hydra/launcher=submitit_local",
         "hydra.launcher.timeout_min=1",
-        # the claim is "requeued until it finishes": on a loaded machine each attempt does
-        # fewer steps, so allow more requeues than the cluster configs' 3
-        "hydra.launcher.max_num_timeout=10",
         "trainer.limit_train_batches=15",  # 30 steps of 2 s: twice what one minute allows
         "+callbacks.slow._target_=tests.test_chaos.SlowSteps",
         "+callbacks.slow.seconds=2",
