@@ -227,10 +227,10 @@ def selection_bias(record: dict, tokenizer, test_by_id: dict, s_plus: set) -> di
     import yaml
 
     from calm_lightning.data.cloze_batches import encode_question
-    from calm_lightning.runtime.run_record import read_predictions
+    from calm_lightning.runtime.run_record import CONFIG_FILE, read_predictions
 
     run_dir = ROOT / record["run_dir"]
-    cfg = yaml.safe_load((run_dir / "config_resolved.yaml").read_text())
+    cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     prompt = cfg["evaluation"]["cloze"]["prompt"]
     chosen = gold = 0
     rows = read_predictions(run_dir)

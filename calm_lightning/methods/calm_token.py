@@ -113,7 +113,7 @@ class CALMToken(CALM):
 
     def support_ids(self, datamodule) -> list[int]:
         records = [r for split in ("train", "heldout") for r in datamodule._load(split)]
-        if self.support == "options":
+        if self.support != "responses":  # options
             questions = [r for r in records if isinstance(r, MCQARecord)]
             if not questions:
                 return []
