@@ -80,7 +80,7 @@ class KillAtStep(L.Callback):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("kill_at", [4, 5], ids=["epoch1-batch1", "epoch1-batch2"])
+@pytest.mark.parametrize("kill_at", [1, 5], ids=["epoch0-batch1", "epoch1-batch2"])
 def test_a_mid_epoch_kill_resumes_exactly_in_the_same_folder(
     tmp_path, compose, resume_overrides, kill_at
 ):

@@ -11,6 +11,12 @@ uninterrupted run would have (tests/test_resume.py).
 The count is of batches handed to the training loop, not of indices the sampler produced:
 worker processes (`num_workers > 0`) read ahead, the loop does not. Lightning does not prefetch
 from loaders with a length, so at a checkpoint every batch handed out has been trained on.
+
+Lightning hands the states back only if the training loaders are built after the checkpoint's
+loop state is read. `trainer.estimated_stepping_batches` (the LR schedules' step count, read in
+`configure_optimizers`) builds them earlier, and Lightning then drops the states silently
+(Lightning issue #20550): the resumed epoch would start again at its first batch.
+`load_pending_loader_states` (called in the training methods' `on_train_start`) loads them.
 """
 
 from __future__ import annotations
@@ -37,10 +43,16 @@ class ResumableLoader(DataLoader):
         if not isinstance(self.batch_sampler, ShardedBatchSampler):
             raise TypeError("ResumableLoader needs a ShardedBatchSampler as its batch_sampler")
         self._handed_out = 0
+        self._skip_epoch: int | None = None  # the epoch a loaded position belongs to
 
     def __iter__(self) -> Iterator:
         # A generator: its body (and the sampler's skip) runs at the first batch, after
-        # Lightning has restored the state and set the epoch.
+        # Lightning has restored the state and set the epoch. A position saved at an epoch's
+        # end (the epoch cut short by `limit_train_batches`, or a step checkpoint at its last
+        # batch) belongs to an epoch that is over: the next one starts at its first batch.
+        if self._skip_epoch is not None and self._skip_epoch != self.batch_sampler.epoch:
+            self.batch_sampler.skip = 0
+        self._skip_epoch = None
         self._handed_out = self.batch_sampler.skip
         for batch in super().__iter__():
             self._handed_out += 1
@@ -77,4 +89,22 @@ class ResumableLoader(DataLoader):
         # which Lightning announces itself (set_epoch); nothing is left to skip here.
         batches = int(state["batches"])
         sampler.skip = batches if batches < len(sampler) else 0
+        self._skip_epoch = int(state["epoch"])
         self._handed_out = sampler.skip
+
+
+def load_pending_loader_states(trainer) -> None:
+    """Give the training loaders the positions a resumed checkpoint saved, if Lightning left
+    them unloaded (issue #20550, see the module docstring): call before the first batch.
+
+    Deliberately reaches into the fit loop's private fields; there is no public hook for this.
+    Once Lightning loads them itself, nothing is pending here and this does nothing. The loaders
+    read their position at their first batch (`ResumableLoader.__iter__` is a generator), so the
+    iterators Lightning created before this call still start where the checkpoint stopped.
+    """
+    loop = trainer.fit_loop
+    pending = getattr(loop, "_combined_loader_states_to_load", None)
+    combined = getattr(loop, "_combined_loader", None)
+    if pending and combined is not None:
+        combined._load_state_dicts(pending)
+        loop._combined_loader_states_to_load = []

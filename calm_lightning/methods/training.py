@@ -11,6 +11,7 @@ from typing import ClassVar
 import torch
 
 from calm_lightning.config_rules import Number
+from calm_lightning.data.resumable import load_pending_loader_states
 from calm_lightning.errors import CalmLightningError, ConfigError
 from calm_lightning.methods.base import CalibrationMethod
 from calm_lightning.methods.objectives import OPTIONS, VOCAB, adjusted_predictions
@@ -240,6 +241,8 @@ class TrainingMethod(CalibrationMethod):
         if cuda is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda)
         self._resume_rng = (None, None)
+        # A mid-epoch resume continues at the checkpoint's batch (data/resumable.py).
+        load_pending_loader_states(self.trainer)
 
     def save_last_good(self) -> str | None:
         """Write a checkpoint of the current (still finite) state; return its path."""
