@@ -17,10 +17,11 @@ skipped, and a finished run folder is read, not rerun):
    S+ is then drawn from the held-out options, all inside the support);
 1. `key`: the falsification cell (k = 4, b*, demo_id), seeds 0-2, for base, ts, cc_ts, vs,
    oracle and calm_token, and vs / calm_token at b = 0 (the recovery slope's other end);
-2. `rows`: the other rows of the key cell (cc, bc, calm_scalar, calm_vector, calm_stop and the
+2. `ablate`: calm_token with one piece changed at a time (ABLATIONS), key cell, seed 0;
+3. `rows`: the other rows of the key cell (cc, bc, calm_scalar, calm_vector, calm_stop and the
    frozen-head control), seeds 0-2;
-3. `cells`: every row in the other cells of demo_id, seed 0;
-4. `ood`: `setting=demo` at k = 4 (b* and 0), every row, seed 0.
+4. `cells`: every row in the other cells of demo_id, seed 0;
+5. `ood`: `setting=demo` at k = 4 (b* and 0), every row, seed 0.
 
 `--render-only` writes results/token_calibration.md (tables, recovery, paired bootstraps
 against ts and cc_ts, the falsification outcome) and results/token_calibration.png.
@@ -68,6 +69,18 @@ ROWS = {
     "frozen_head": {"method": "calm_token", "method.module.upper_lr": 0.0,
                     "method.module.token_lr": 0.0},
 }  # fmt: skip
+# One calm_token piece changed at a time (docs/calm.md, "A per-token head"), at the selected
+# entry LR, in the falsification cell (k = 4, b*, demo_id) of seed 0; `budget_x4` asks whether
+# the entries stop short of the truth for want of steps (48 outer steps instead of 12).
+ABLATIONS = {
+    "no_entries": {"method.module.token_lr": 0.0},  # the shared temperature alone
+    "one_lambda": {"method.module.lambda_blocks": "one"},
+    "no_shrinkage": {"method.module.token_weight_decay": 0.0},
+    "sign_entries": {"method.module.token_step": "sign"},
+    "token_scales": {"method.module.token_scale": True},
+    "responses_support": {"method.module.support": "responses"},
+    "budget_x4": {"trainer.limit_train_batches": 48},
+}
 HEAD_ROWS = ("vs", "oracle", "calm_scalar", "calm_vector", "calm_stop", "calm_token")
 KEY_ROWS = ("base", "ts", "cc_ts", "vs", "oracle", "calm_token")
 FALSIFICATION = (
@@ -101,6 +114,12 @@ def common(k: float, b: float, setting: str, seed: int, split: str = "test") -> 
     }
 
 
+def _short(value) -> str:
+    """An override's value as a run-folder name part (numbers as %g)."""
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    return f"{value:g}" if is_number else str(value).lower()
+
+
 class Study:
     def __init__(self, results: Path, outputs: Path, seeds=SEEDS) -> None:
         self.results, self.outputs, self.seeds = results, outputs, seeds
@@ -114,7 +133,8 @@ class Study:
             if all(record.get(key, "test") == value for key, value in meta.items()):
                 return record
         extra = dict(extra or {})
-        name = row + "".join(f"_{key.rsplit('.', 1)[-1]}{value:g}" for key, value in extra.items())
+        name = row + "".join(f"_{key.rsplit('.', 1)[-1]}{_short(value)}"
+                             for key, value in extra.items())  # fmt: skip
         cell = f"{setting}_k{k:g}_b{b:g}_s{seed}" + ("" if split == "test" else f"_{split}")
         run_dir = self.outputs / cell / name
         payload = study.run({**common(k, b, setting, seed, split), **ROWS[row], **extra}, run_dir)
@@ -156,6 +176,11 @@ class Study:
                         self.run(row, 4.0, 4 * BSTAR, "demo_id", seed)
                 self.run("vs", 4.0, 0.0, "demo_id", seed)
                 self.token_row(4.0, 0.0, "demo_id", seed)
+        elif name == "ablate":
+            lr = {"method.module.token_lr": self.token_lr()}
+            for label, change in ABLATIONS.items():
+                self.run("calm_token", 4.0, 4 * BSTAR, "demo_id", 0, extra={**lr, **change},
+                         label=f"calm_token-{label}")  # fmt: skip
         elif name == "rows":
             for seed in self.seeds:
                 for row in ROWS:
@@ -222,6 +247,20 @@ def recovery(shifted: dict, clean: dict, option_ids: list[int]) -> dict | None:
     }
 
 
+def entry_means(record: dict, s_plus: set, option_ids: list[int]) -> dict | None:
+    """Mean fitted bias on S+ and on the other option tokens of one head (no b = 0 partner
+    needed: the ablations run at b* only). The truth at b*: -b/k on S+, 0 elsewhere, less
+    whatever the clean model's own preferences add (recovery() subtracts those)."""
+    head = head_of(Path(record["run_dir"]))
+    if head is None:
+        return None
+    _, bias = head
+    on = sorted(s_plus)
+    off = sorted(set(option_ids) - s_plus)
+    return {"s_plus_mean_l": float(bias.float()[on].mean()),
+            "other_mean_l": float(bias.float()[off].mean())}  # fmt: skip
+
+
 def selection_bias(record: dict, tokenizer, test_by_id: dict, s_plus: set) -> dict:
     """Share of chosen options holding an S+ token, against the share of gold options that do."""
     import yaml
@@ -275,12 +314,16 @@ def render(results: Path, table: Path, figure: Path) -> None:
         clean = by.get((r["setting"], r["k"], 0.0, r["seed"], r["method"]))
         if r["method"] in HEAD_ROWS and r["b"] and clean and r.get("split", "test") == "test":
             row.update(recovery(r, clean, option_ids) or {})
+        if r["method"].startswith("calm_token") and r["b"] and dist.get("token_ids"):
+            row.update(entry_means(r, set(dist["token_ids"]), option_ids) or {})
         analysis["rows"].append(row)
     clean_base = [r for r in records if r["method"] == "base" and r["b"] == 0 and r["k"] == 1]
     analysis["clean_base"] = clean_base[0] if clean_base else None
     for (setting, k, b, seed, method), r in sorted(by.items()):
-        if method in ("calm_token", "vs") and b:
-            for ref in ("ts", "cc_ts"):
+        refs = ("ts", "cc_ts") if method in ("calm_token", "vs") else ()
+        refs = ("calm_token",) if method.startswith("calm_token-") else refs
+        if b:
+            for ref in refs:
                 other = by.get((setting, k, b, seed, ref))
                 if other:
                     for metric in ("nll", "accuracy"):
@@ -342,6 +385,21 @@ def markdown(analysis: dict) -> str:
                 f"{_mean([r.get('other_tokens_mean_dl') for r in rs])} |"
             )
         lines.append("")
+    ablated = [r for r in rows if r["method"].startswith("calm_token") and r["seed"] == 0
+               and (r.get("split", "test"), r["setting"], r["k"], r["b"])
+               == ("test", "demo_id", 4.0, 4 * BSTAR)]  # fmt: skip
+    if any("-" in r["method"] for r in ablated):
+        lines += ["## calm_token ablations (demo_id, k = 4, b = 32, seed 0, test split)", "",
+                  "One piece changed at a time (ABLATIONS in the script). Mean l̂: the fitted "
+                  "bias on S+ and on the other test option tokens (truth at b*: −8 on S+ "
+                  "relative to the others).", "",
+                  "| variant | accuracy | NLL | conf-ECE | mean l̂ on S+ | mean l̂ other |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in sorted(ablated, key=lambda r: ("-" in r["method"], r["method"])):
+            lines.append(f"| {r['method']} | {r['accuracy']:.4f} | {r['nll']:.4f} | "
+                         f"{r['conf_ece']:.4f} | {_mean([r.get('s_plus_mean_l')])} | "
+                         f"{_mean([r.get('other_mean_l')])} |")  # fmt: skip
+        lines.append("")
     if analysis["comparisons"]:
         lines += ["## Paired bootstrap (b − a on the same test questions, 95 % "
                   "percentile interval, 2,000 resamples)", "",
@@ -389,7 +447,8 @@ def _figure(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stages", nargs="+", default=["select", "key", "rows", "cells", "ood"],
+    parser.add_argument("--stages", nargs="+",
+                        default=["select", "key", "ablate", "rows", "cells", "ood"],
                         choices=["select", "key", "rows", "cells", "ood"])  # fmt: skip
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--outputs", type=Path, default=ROOT / "outputs" / "token_calibration")
