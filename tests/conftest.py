@@ -152,6 +152,33 @@ def tiny_loaded():
     return load_language_model(cfg.model)
 
 
+@pytest.fixture
+def tiny_calm_stop(tiny_loaded):
+    """tiny_calm_stop(cls=CALM, **options): a CALM module (or subclass) of the tiny model with
+    rank-4 LoRA, a log-scalar head and calm_stop's switches at test-sized LRs; `options`
+    change or add constructor arguments."""
+    import copy
+
+    from calm_lightning.methods.calm import CALM
+    from calm_lightning.models.calibrated_lm import CalibratedLM
+    from calm_lightning.models.logit_adjustment import LogitAdjustment
+    from calm_lightning.models.lora import wrap_with_lora
+
+    def build(cls=CALM, **options):
+        lm = wrap_with_lora(copy.deepcopy(tiny_loaded.model), {"r": 4, "lora_alpha": 8})
+        head = LogitAdjustment(
+            lm.get_output_embeddings().weight.shape[0], kind="scalar", parameterization="log"
+        )
+        switches = dict(
+            inner_steps=2, lower_lr=1e-2, upper_lr=0.3, warmup_ratio=0.0,
+            inner_optimizer="adam", surrogate={"schedule": "amortized", "steps": 1},
+            value_function="joint", lambda_blocks="per_block", head_step="sign",
+        )  # fmt: skip
+        return cls(CalibratedLM(lm, head), tiny_loaded.tokenizer, **{**switches, **options})
+
+    return build
+
+
 @pytest.fixture(scope="session")
 def tokenizer(tiny_loaded):
     return tiny_loaded.tokenizer

@@ -3,17 +3,13 @@ computation, and the head's stop on a temperature problem whose answer scipy giv
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import torch
 
 from calm_lightning.methods.bome import bilevel_gradients, bome_direction
-from calm_lightning.methods.calm import CALM
-from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
-from calm_lightning.models.lora import wrap_with_lora
 
 # ----- log-space head -----
 
@@ -137,24 +133,10 @@ def test_the_variants_head_stops_at_the_ce_optimum_whatever_its_budget():
 # ----- the LightningModule with the switches -----
 
 
-def _tiny_stop(tiny_loaded, **kwargs) -> CALM:
-    lm = wrap_with_lora(copy.deepcopy(tiny_loaded.model), {"r": 4, "lora_alpha": 8})
-    head = LogitAdjustment(
-        lm.get_output_embeddings().weight.shape[0], kind="scalar", parameterization="log"
-    )
-    options = dict(
-        inner_steps=2, lower_lr=1e-2, upper_lr=0.3, warmup_ratio=0.0, inner_optimizer="adam",
-        surrogate={"schedule": "amortized", "steps": 1}, value_function="joint",
-        lambda_blocks="per_block", head_step="sign",
-    )  # fmt: skip
-    options.update(kwargs)
-    return CALM(CalibratedLM(lm, head), tiny_loaded.tokenizer, **options)
-
-
-def test_sign_head_step_moves_the_log_scale_by_the_lr(tiny_loaded, fit_on_demo):
+def test_sign_head_step_moves_the_log_scale_by_the_lr(tiny_calm_stop, fit_on_demo):
     """One outer step: s moves by exactly lr * sign(direction) (plus decoupled decay of a zero
     s: nothing), the surrogate holds adapter and head copies, lambda_head is logged."""
-    module = _tiny_stop(tiny_loaded)
+    module = tiny_calm_stop()
     fit_on_demo(module)
     s = module.model.head.log_scale.detach()
     assert abs(s.item()) == pytest.approx(0.3, rel=1e-6)
@@ -166,14 +148,14 @@ def test_sign_head_step_moves_the_log_scale_by_the_lr(tiny_loaded, fit_on_demo):
     assert names[-2:] == ["head.log_scale", "head.bias"]
 
 
-def test_joint_surrogate_survives_a_checkpoint(tiny_loaded, fit_on_demo, tmp_path):
-    module = _tiny_stop(tiny_loaded)
+def test_joint_surrogate_survives_a_checkpoint(tiny_calm_stop, fit_on_demo, tmp_path):
+    module = tiny_calm_stop()
     trainer = fit_on_demo(module, steps=2)
     path = tmp_path / "c.ckpt"
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
     assert list(checkpoint["calm_surrogate"]["tensors"])[-2:] == ["head.log_scale", "head.bias"]
-    restored = _tiny_stop(tiny_loaded)
+    restored = tiny_calm_stop()
     restored.on_load_checkpoint(checkpoint)
     for a, b in zip(module.persistent.tensors, restored.persistent.tensors, strict=True):
         assert torch.equal(a, b)

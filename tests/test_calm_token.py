@@ -3,7 +3,6 @@ method's blocks, optimizers and support on the tiny model."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 
@@ -11,9 +10,7 @@ import pytest
 import torch
 
 from calm_lightning.methods.calm_token import CALMToken, answer_texts
-from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.models.logit_adjustment import LogitAdjustment
-from calm_lightning.models.lora import wrap_with_lora
 from calm_lightning.models.token_head import TokenLogitAdjustment
 
 
@@ -89,26 +86,16 @@ def test_answer_texts_read_each_record_kind():
     assert answer_texts(instruction) == ["hi there"]
 
 
-def _tiny_token(tiny_loaded, **kwargs) -> CALMToken:
-    lm = wrap_with_lora(copy.deepcopy(tiny_loaded.model), {"r": 4, "lora_alpha": 8})
-    head = LogitAdjustment(
-        lm.get_output_embeddings().weight.shape[0], kind="scalar", parameterization="log"
-    )
-    options = dict(
-        inner_steps=2, lower_lr=1e-2, upper_lr=0.3, warmup_ratio=0.0, inner_optimizer="adam",
-        surrogate={"schedule": "amortized", "steps": 1}, value_function="joint",
-        lambda_blocks="per_block", head_step="sign", support="responses", support_size=50,
-        token_lr=0.05, token_weight_decay=0.0,
-    )  # fmt: skip
-    options.update(kwargs)
-    return CALMToken(CalibratedLM(lm, head), tiny_loaded.tokenizer, **options)
+def _tiny_token(tiny_calm_stop, **kwargs) -> CALMToken:
+    options = dict(support="responses", support_size=50, token_lr=0.05, token_weight_decay=0.0)
+    return tiny_calm_stop(CALMToken, **{**options, **kwargs})
 
 
-def test_one_outer_step_moves_each_block_by_its_own_rule(tiny_loaded, fit_on_demo):
+def test_one_outer_step_moves_each_block_by_its_own_rule(tiny_calm_stop, fit_on_demo):
     """Three lambdas (adapters, d0, entries); d0 moves by exactly its LR (sign descent), every
     entry by at most the entries' LR (Adam's first step: lr * g / |g|), the vocabulary outside
     the support not at all; the surrogate carries the entries at their own inner LR."""
-    module = _tiny_token(tiny_loaded)
+    module = _tiny_token(tiny_calm_stop)
     fit_on_demo(module)
     head = module.model.head
     assert 0 < head.support.numel() <= 50
@@ -126,18 +113,20 @@ def test_one_outer_step_moves_each_block_by_its_own_rule(tiny_loaded, fit_on_dem
     assert module.persistent.step.lr[-2:] == [0.3, 0.05]
 
 
-def test_a_frozen_entry_lr_leaves_a_temperature(tiny_loaded, fit_on_demo):
-    module = _tiny_token(tiny_loaded, token_lr=0.0)
+def test_a_frozen_entry_lr_leaves_a_temperature(tiny_calm_stop, fit_on_demo):
+    module = _tiny_token(tiny_calm_stop, token_lr=0.0)
     fit_on_demo(module)
     assert torch.all(module.model.head.bias == 0)
     assert abs(module.model.head.log_scale.item()) == pytest.approx(0.3, rel=1e-6)
 
 
-def test_options_support_on_instruction_data_is_refused_with_what_to_do(tiny_loaded, fit_on_demo):
+def test_options_support_on_instruction_data_is_refused_with_what_to_do(
+    tiny_calm_stop, fit_on_demo
+):
     from calm_lightning.errors import ConfigError
 
     with pytest.raises(ConfigError, match="support=responses"):
-        fit_on_demo(_tiny_token(tiny_loaded, support="options"))
+        fit_on_demo(_tiny_token(tiny_calm_stop, support="options"))
 
 
 @pytest.mark.integration
