@@ -449,7 +449,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", nargs="+",
                         default=["select", "key", "ablate", "rows", "cells", "ood"],
-                        choices=["select", "key", "rows", "cells", "ood"])  # fmt: skip
+                        choices=["select", "key", "ablate", "rows", "cells", "ood"])  # fmt: skip
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--outputs", type=Path, default=ROOT / "outputs" / "token_calibration")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
