@@ -333,6 +333,8 @@ def render(results: Path, table: Path, figure: Path) -> None:
     for (setting, k, b, seed, method), r in sorted(by.items()):
         refs = ("ts", "cc_ts") if method in ("calm_token", "vs") else ()
         refs = ("calm_token",) if method.startswith("calm_token-") else refs
+        if method == "calm_token-budget_x4":  # the entries' share at that budget, and cc_ts
+            refs = ("calm_token-budget_x4_no_entries", "cc_ts")
         if b:
             for ref in refs:
                 other = by.get((setting, k, b, seed, ref))
