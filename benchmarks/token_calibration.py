@@ -188,6 +188,9 @@ class Study:
             for label, change in ABLATIONS.items():
                 self.run("calm_token", 4.0, 4 * BSTAR, "demo_id", 0, extra={**lr, **change},
                          label=f"calm_token-{label}")  # fmt: skip
+            # the b = 0 partner of the 48-step run: its recovery slope
+            self.run("calm_token", 4.0, 0.0, "demo_id", 0, label="calm_token-budget_x4",
+                     extra={**lr, **ABLATIONS["budget_x4"]})  # fmt: skip
         elif name == "rows":
             for seed in self.seeds:
                 for row in ROWS:
@@ -323,7 +326,8 @@ def render(results: Path, table: Path, figure: Path) -> None:
         if dist.get("token_ids") and r["b"] and r.get("split", "test") == "test":
             row.update(selection_bias(r, tokenizer, test_by_id, set(dist["token_ids"])))
         clean = by.get((r["setting"], r["k"], 0.0, r["seed"], r["method"]))
-        if r["method"] in HEAD_ROWS and r["b"] and clean and r.get("split", "test") == "test":
+        head_row = r["method"] in HEAD_ROWS or r["method"] == "calm_token-budget_x4"
+        if head_row and r["b"] and clean and r.get("split", "test") == "test":
             row.update(recovery(r, clean, option_ids) or {})
         if r["method"].startswith("calm_token") and r["b"] and dist.get("token_ids"):
             row.update(entry_means(r, set(dist["token_ids"]), option_ids) or {})
