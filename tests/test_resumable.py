@@ -68,6 +68,7 @@ def _trainer(tmp_path, limit) -> L.Trainer:
         (None, 3, "step=3"),
         (None, 7, "step=7"),
         (None, 6, "endepoch=0"),  # an epoch-end checkpoint
+        (None, 6, "step=6"),  # a step checkpoint at an epoch's last batch (sampler exhausted)
         (4, 4, "endepoch=0"),  # an epoch cut by limit_train_batches, its loaders not exhausted
         (4, 4, "step=4"),  # a step checkpoint at that epoch's last batch
         (4, 5, "step=5"),
