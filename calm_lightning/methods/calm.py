@@ -208,18 +208,25 @@ class CALM(TrainingMethod):
         """The lambda blocks under `lambda_blocks: per_block`: the adapters, the head."""
         return (n_theta, n_alpha)
 
+    def head_groups(self) -> list[dict]:
+        """The head optimizer's parameter groups (subclasses with several head blocks give one
+        group each): AdamW at the upper LR, or sign descent under `head_step: sign`."""
+        return [self.head_group(self._alpha(), self.upper_lr, self.head_step, self.weight_decay)]
+
+    def head_group(self, params, lr: float, step: str, weight_decay: float, eps=None) -> dict:
+        """One AdamW parameter group; `step: sign` is AdamW with both betas 0, i.e. sign
+        descent (m = g, v = g^2: the step is lr * g / (|g| + eps)), with the same decoupled
+        weight decay. `eps`: 1e-12 for sign steps, AdamW's 1e-8 otherwise, unless given."""
+        sign = step == "sign"
+        eps = (1e-12 if sign else 1e-8) if eps is None else eps
+        betas = (0.0, 0.0) if sign else self.betas
+        return {"params": list(params), "lr": lr, "betas": betas, "eps": eps,
+                "weight_decay": weight_decay}  # fmt: skip
+
     def configure_optimizers(self):
         _, theta = self._theta()
         opt_theta = self.adamw(theta, self.lower_lr)
-        if self.head_step == "sign":
-            # AdamW with both betas 0 is sign descent (m = g, v = g^2: the step is
-            # lr * g / (|g| + eps)) with the same decoupled weight decay.
-            opt_alpha = torch.optim.AdamW(
-                self._alpha(), lr=self.upper_lr, betas=(0.0, 0.0), eps=1e-12,
-                weight_decay=self.weight_decay,
-            )  # fmt: skip
-        else:
-            opt_alpha = self.adamw(self._alpha(), self.upper_lr)
+        opt_alpha = torch.optim.AdamW(self.head_groups(), lr=self.upper_lr)
         factor = self.lr_factor_schedule()
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in (opt_theta, opt_alpha)]
         return [opt_theta, opt_alpha], schedulers

@@ -144,25 +144,15 @@ class CALMToken(CALM):
         return ([self.inner_lr] * n_theta + [self.upper_lr] * len(head.shared_parameters())
                 + [self.token_lr] * len(head.token_parameters()))  # fmt: skip
 
-    def configure_optimizers(self):
-        _, theta = self._theta()
+    def head_groups(self) -> list[dict]:
+        # d0 by sign descent (calm_stop's); the entries by AdamW (or sign) with their own LR
+        # and weight decay (the shrinkage toward l = 0, d_y = 1). Both at eps 1e-12.
         head = self.model.head
-        opt_theta = self.adamw(theta, self.lower_lr)
-        # d0 by sign descent (AdamW with both betas 0); the entries by AdamW (or sign) with
-        # their own LR and weight decay (the shrinkage toward l = 0, d_y = 1).
-        token_betas = (0.0, 0.0) if self.token_step == "sign" else self.betas
-        opt_alpha = torch.optim.AdamW(
-            [
-                {"params": head.shared_parameters(), "lr": self.upper_lr, "betas": (0.0, 0.0),
-                 "weight_decay": self.weight_decay},
-                {"params": head.token_parameters(), "lr": self.token_lr, "betas": token_betas,
-                 "weight_decay": self.token_weight_decay},
-            ],
-            lr=self.upper_lr, eps=1e-12,
-        )  # fmt: skip
-        factor = self.lr_factor_schedule()
-        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in (opt_theta, opt_alpha)]
-        return [opt_theta, opt_alpha], schedulers
+        return [
+            self.head_group(head.shared_parameters(), self.upper_lr, "sign", self.weight_decay),
+            self.head_group(head.token_parameters(), self.token_lr, self.token_step,
+                            self.token_weight_decay, eps=1e-12),
+        ]  # fmt: skip
 
     def calibrate(self, trainer, datamodule, ckpt_path: str | None = None) -> dict:
         """Train, then replace the head by its dense vector form (the same function) for
