@@ -242,6 +242,8 @@ def recovery(shifted: dict, clean: dict, option_ids: list[int]) -> dict | None:
     if None in heads:
         return None
     (d1, l1), (_, l0) = heads
+    if l1.numel() == 1:  # a scalar head: one offset for every token, nothing per token
+        return None
     dl = (l1.float() - l0.float()) if l0.numel() == l1.numel() else l1.float() - float(l0)
     truth = -shifted["b"] / shifted["k"]
     s_plus = sorted(distortion_of(Path(shifted["run_dir"]))["token_ids"])
