@@ -88,6 +88,13 @@ ABLATIONS = {
         "method.module.upper_lr": 0.0,
     },
 }
+# Paired bootstraps: each row against these (every other ablation against calm_token).
+COMPARED_WITH = {
+    "calm_token": ("ts", "cc_ts"),
+    "vs": ("ts", "cc_ts"),
+    # the entries' share at 4x the steps, and cc_ts
+    "calm_token-budget_x4": ("calm_token-budget_x4_no_entries", "cc_ts"),
+}
 HEAD_ROWS = ("vs", "oracle", "calm_scalar", "calm_vector", "calm_stop", "calm_token")
 KEY_ROWS = ("base", "ts", "cc_ts", "vs", "oracle", "calm_token")
 FALSIFICATION = (
@@ -337,10 +344,8 @@ def render(results: Path, table: Path, figure: Path) -> None:
     clean_base = [r for r in records if r["method"] == "base" and r["b"] == 0 and r["k"] == 1]
     analysis["clean_base"] = clean_base[0] if clean_base else None
     for (setting, k, b, seed, method), r in sorted(by.items()):
-        refs = ("ts", "cc_ts") if method in ("calm_token", "vs") else ()
-        refs = ("calm_token",) if method.startswith("calm_token-") else refs
-        if method == "calm_token-budget_x4":  # the entries' share at that budget, and cc_ts
-            refs = ("calm_token-budget_x4_no_entries", "cc_ts")
+        ablation = ("calm_token",) if method.startswith("calm_token-") else ()
+        refs = COMPARED_WITH.get(method, ablation)
         if b:
             for ref in refs:
                 other = by.get((setting, k, b, seed, ref))
