@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -135,8 +136,9 @@ def _short(value) -> str:
 
 
 class Study:
-    def __init__(self, results: Path, outputs: Path, seeds=SEEDS) -> None:
+    def __init__(self, results: Path, outputs: Path, seeds=SEEDS, keep_checkpoints=False) -> None:
         self.results, self.outputs, self.seeds = results, outputs, seeds
+        self.keep_checkpoints = keep_checkpoints
         self.records = study.load(results)
 
     def run(self, row, k, b, setting, seed, split="test", extra=None, label=None) -> dict:
@@ -162,6 +164,8 @@ class Study:
                 record[extra] = payload[extra]
         self.records.append(record)
         study.save(self.results, self.records)
+        if not self.keep_checkpoints:  # ~0.5 GB a training run; the record holds what we read
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         return record
 
     def token_lr(self) -> float:
@@ -479,11 +483,16 @@ def main() -> None:
     parser.add_argument("--outputs", type=Path, default=ROOT / "outputs" / "token_calibration")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--render-only", action="store_true")
+    parser.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each finished run's checkpoints (deleted by default)",
+    )
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every run")
     args = parser.parse_args()
     study.EXTRA.update(dict(item.split("=", 1) for item in args.extra))
     if not args.render_only:
-        runner = Study(args.results, args.outputs, tuple(args.seeds))
+        runner = Study(args.results, args.outputs, tuple(args.seeds), args.keep_checkpoints)
         for name in args.stages:
             runner.stage(name)
     table = args.results.with_suffix(".md")
