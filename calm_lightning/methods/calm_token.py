@@ -29,7 +29,6 @@ import torch
 from calm_lightning.config_rules import Flag, Number, OneOf
 from calm_lightning.data.records import InstructionRecord, MCQARecord
 from calm_lightning.errors import ConfigError
-from calm_lightning.methods.bome import InnerStep, PersistentSurrogate
 from calm_lightning.methods.calm import CALM
 from calm_lightning.models.token_head import TokenLogitAdjustment
 
@@ -73,14 +72,8 @@ class CALMToken(CALM):
             raise ConfigError(
                 "method=calm_token builds on a scalar head: set method.head.kind=scalar"
             )
-        head = model.head
-        model.head = TokenLogitAdjustment(
-            head.vocab_size,
-            center=head.center,
-            parameterization=head.parameterization,
-            token_scale=token_scale,
-        ).to(head.bias.device)
-        super().__init__(model, tokenizer, **kwargs)
+        # Checked and set before CALM's __init__, which builds the amortized surrogate's inner
+        # step from _inner_lrs (the entries' inner LR is token_lr).
         self.check_arguments(
             support=support,
             support_size=support_size,
@@ -92,10 +85,14 @@ class CALMToken(CALM):
         self.support, self.support_size = support, int(support_size)
         self.token_lr, self.token_weight_decay = float(token_lr), float(token_weight_decay)
         self.token_step = token_step
-        if self.persistent is not None:  # rebuilt: the entries' inner LR is token_lr
-            self.persistent = PersistentSurrogate(
-                InnerStep(self.inner_optimizer, self._inner_lrs(), self.betas)
-            )
+        head = model.head
+        model.head = TokenLogitAdjustment(
+            head.vocab_size,
+            center=head.center,
+            parameterization=head.parameterization,
+            token_scale=token_scale,
+        ).to(head.bias.device)
+        super().__init__(model, tokenizer, **kwargs)
 
     # ----- the support, from the data, before optimizers and checkpoints are built -----
     def setup(self, stage: str) -> None:
@@ -137,7 +134,7 @@ class CALMToken(CALM):
         return (n_theta, n_shared, n_alpha - n_shared)
 
     def _inner_lrs(self) -> float | list[float]:
-        if not self.joint_value or not hasattr(self, "token_lr"):  # (CALM's __init__ asks first)
+        if not self.joint_value:
             return super()._inner_lrs()
         n_theta = len(self._theta()[1])
         head = self.model.head
