@@ -24,8 +24,8 @@ from calm_lightning.errors import (
     MissingDependencyError,
 )
 
-PAPER_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "winogrande", "piqa")
-# The columns of each task's hub dataset, for the message when local files are needed.
+# The columns of each task's hub dataset, for the message when local files are needed (the
+# keys are the paper's five retention tasks).
 SCHEMAS = {
     "piqa": "goal, sol1, sol2, label (0 or 1)",
     "winogrande": "sentence (with one _), option1, option2, answer ('1' or '2')",
