@@ -20,7 +20,7 @@ skipped, and a finished run folder is read, not rerun):
 2. `ablate`: calm_token with one piece changed at a time (ABLATIONS), key cell, seed 0;
 3. `rows`: the other rows of the key cell (cc, bc, calm_scalar, calm_vector, calm_stop and the
    frozen-head control), seeds 0-2;
-4. `cells`: every row in the other cells of demo_id, seed 0;
+4. `cells`: every row in the other cells of demo_id, seed 0 (`--cells k:b ...` picks which);
 5. `ood`: `setting=demo` at k = 4 (b* and 0), every row, seed 0.
 
 `--render-only` writes results/token_calibration.md (tables, recovery, paired bootstraps
@@ -48,6 +48,8 @@ ROOT = study.ROOT
 RESULTS = ROOT / "results" / "token_calibration.json"
 BSTAR = 8.0  # b* = 8 k (docs/posthoc.md, "Choosing b*")
 SEEDS = (0, 1, 2)
+# The demo_id cells (k, b) of stage `cells`, in the order they run (--cells k:b ...).
+CELLS = ((4.0, 0.0), (4.0, 4 * BSTAR), (1.0, BSTAR), (1.0, 0.0))
 AMORTIZED = {"method.module.surrogate.schedule": "amortized"}
 ROWS = {
     "base": {"method": "base"},
@@ -136,9 +138,11 @@ def _short(value) -> str:
 
 
 class Study:
-    def __init__(self, results: Path, outputs: Path, seeds=SEEDS, keep_checkpoints=False) -> None:
+    def __init__(
+        self, results: Path, outputs: Path, seeds=SEEDS, keep_checkpoints=False, cells=CELLS
+    ) -> None:
         self.results, self.outputs, self.seeds = results, outputs, seeds
-        self.keep_checkpoints = keep_checkpoints
+        self.keep_checkpoints, self.cells = keep_checkpoints, cells
         self.records = study.load(results)
 
     def run(self, row, k, b, setting, seed, split="test", extra=None, label=None) -> dict:
@@ -208,13 +212,12 @@ class Study:
                     if row != "calm_token":
                         self.run(row, 4.0, 4 * BSTAR, "demo_id", seed)
         elif name == "cells":
-            for k in (4.0, 1.0):
-                for b in (0.0, k * BSTAR):
-                    for row in ROWS:
-                        if row == "calm_token":
-                            self.token_row(k, b, "demo_id", 0)
-                        else:
-                            self.run(row, k, b, "demo_id", 0)
+            for k, b in self.cells:
+                for row in ROWS:
+                    if row == "calm_token":
+                        self.token_row(k, b, "demo_id", 0)
+                    else:
+                        self.run(row, k, b, "demo_id", 0)
         elif name == "ood":
             for b in (4 * BSTAR, 0.0):
                 for row in ROWS:
@@ -482,6 +485,8 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--outputs", type=Path, default=ROOT / "outputs" / "token_calibration")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    parser.add_argument("--cells", nargs="+", default=[f"{k:g}:{b:g}" for k, b in CELLS],
+                        help="stage cells: the (k:b) cells to run, in this order")  # fmt: skip
     parser.add_argument("--render-only", action="store_true")
     parser.add_argument(
         "--keep-checkpoints",
@@ -492,7 +497,8 @@ def main() -> None:
     args = parser.parse_args()
     study.EXTRA.update(dict(item.split("=", 1) for item in args.extra))
     if not args.render_only:
-        runner = Study(args.results, args.outputs, tuple(args.seeds), args.keep_checkpoints)
+        cells = tuple(tuple(float(x) for x in cell.split(":")) for cell in args.cells)
+        runner = Study(args.results, args.outputs, tuple(args.seeds), args.keep_checkpoints, cells)
         for name in args.stages:
             runner.stage(name)
     table = args.results.with_suffix(".md")
