@@ -153,10 +153,16 @@ def _short(value) -> str:
 
 class Study:
     def __init__(
-        self, results: Path, outputs: Path, seeds=SEEDS, keep_checkpoints=False, cells=CELLS
+        self,
+        results: Path,
+        outputs: Path,
+        seeds=SEEDS,
+        keep_checkpoints=False,
+        cells=CELLS,
+        rows=tuple(ROWS),
     ) -> None:
         self.results, self.outputs, self.seeds = results, outputs, seeds
-        self.keep_checkpoints, self.cells = keep_checkpoints, cells
+        self.keep_checkpoints, self.cells, self.rows = keep_checkpoints, cells, rows
         self.records = study.load(results)
 
     def run(self, row, k, b, setting, seed, split="test", extra=None, label=None) -> dict:
@@ -222,19 +228,19 @@ class Study:
                      extra={**lr, **ABLATIONS["budget_x4"]})  # fmt: skip
         elif name == "rows":
             for seed in self.seeds:
-                for row in ROWS:
+                for row in self.rows:
                     if row != "calm_token":
                         self.run(row, 4.0, 4 * BSTAR, "demo_id", seed)
         elif name == "cells":
             for k, b in self.cells:
-                for row in ROWS:
+                for row in self.rows:
                     if row == "calm_token":
                         self.token_row(k, b, "demo_id", 0)
                     else:
                         self.run(row, k, b, "demo_id", 0)
         elif name == "ood":
             for b in (4 * BSTAR, 0.0):
-                for row in (row for row in ROWS if row not in OOD_SKIPPED):
+                for row in (row for row in self.rows if row not in OOD_SKIPPED):
                     if row in ("calm_token", "frozen_head"):  # no options in the training data
                         extra = {"method.module.support": "responses"}
                         if row == "calm_token":
@@ -505,6 +511,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--cells", nargs="+", default=[f"{k:g}:{b:g}" for k, b in CELLS],
                         help="stage cells: the (k:b) cells to run, in this order")  # fmt: skip
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS),
+                        help="stages rows, cells, ood: run only these rows")  # fmt: skip
     parser.add_argument("--render-only", action="store_true")
     parser.add_argument(
         "--keep-checkpoints",
@@ -516,7 +524,8 @@ def main() -> None:
     study.EXTRA.update(dict(item.split("=", 1) for item in args.extra))
     if not args.render_only:
         cells = tuple(tuple(float(x) for x in cell.split(":")) for cell in args.cells)
-        runner = Study(args.results, args.outputs, tuple(args.seeds), args.keep_checkpoints, cells)
+        runner = Study(args.results, args.outputs, tuple(args.seeds), args.keep_checkpoints,
+                       cells, tuple(args.rows))  # fmt: skip
         for name in args.stages:
             runner.stage(name)
     table = args.results.with_suffix(".md")
