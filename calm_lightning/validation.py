@@ -22,9 +22,8 @@ from calm_lightning.data.setting_rules import SETTING_RULES
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.rules import EVALUATION_RULES, MODEL_EVALUATION_RULES
 from calm_lightning.models.calibrated_lm import HEAD_RULES
-from calm_lightning.models.loading import MODEL_RULES, resolve_quantization
+from calm_lightning.models.loading import MODEL_RULES, check_random_model, resolve_quantization
 from calm_lightning.models.lora import PEFT_RULES
-from calm_lightning.models.random_weights import check_random_model
 from calm_lightning.runtime.loggers import LOGGER_RULES
 from calm_lightning.runtime.multirun import in_multirun
 from calm_lightning.runtime.parallel import check_parallel_jobs

@@ -172,7 +172,7 @@ def test_every_load_path_puts_weights_on_the_jobs_gpu(monkeypatch):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from calm_lightning.models import loading, random_weights
+    from calm_lightning.models import loading
     from calm_lightning.runtime import job_device
 
     monkeypatch.setattr(job_device, "_device", torch.device("cuda", 1))  # GPU 1 from the pool
@@ -185,7 +185,7 @@ def test_every_load_path_puts_weights_on_the_jobs_gpu(monkeypatch):
 
     monkeypatch.setattr(transformers, "BitsAndBytesConfig", lambda **kwargs: kwargs)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    loading.load_weights("/m", {"source": "hub"}, torch.bfloat16, True, True)
+    loading._load_weights("/m", {"source": "hub"}, torch.bfloat16, True, True)
     assert seen["device_map"] == {"": 1}
 
     small = AutoConfig.for_model("llama", vocab_size=300, hidden_size=16, intermediate_size=32,
@@ -197,7 +197,7 @@ def test_every_load_path_puts_weights_on_the_jobs_gpu(monkeypatch):
         return built
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", from_config)
-    monkeypatch.setattr(random_weights, "cuda_available", lambda: True)
+    monkeypatch.setattr(loading, "cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [])
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: None)
     cfg = {"source": "tiny", "shape": "small", "tokenizer": "bytes", "dtype": "float32"}

@@ -15,8 +15,7 @@ import torch
 from calm_lightning.errors import ConfigError
 from calm_lightning.models import shapes
 from calm_lightning.models.byte_tokenizer import build_byte_tokenizer
-from calm_lightning.models.loading import load_language_model
-from calm_lightning.models.random_weights import random_model_config
+from calm_lightning.models.loading import load_language_model, random_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
