@@ -20,9 +20,12 @@ skipped, and a finished run folder is read, not rerun):
 2. `ablate`: calm_token with one piece changed at a time (ABLATIONS), key cell, seed 0;
 3. `rows`: the other rows of the key cell (cc, bc, calm_scalar, calm_vector, calm_stop and the
    frozen-head control), seeds 0-2;
-4. `cells`: every row in the other cells of demo_id, seed 0 (`--cells k:b ...` picks which);
-5. `ood`: `setting=demo` at k = 4 (b* and 0), every row but OOD_SKIPPED, seed 0 (calm_token
-   and the frozen head with `support=responses`: demo's training data has no options).
+4. `cells`: every row in the other cells of demo_id (`--cells k:b ...` picks which);
+5. `ood`: `setting=demo` at k = 4 (b* and 0), every row but OOD_SKIPPED (calm_token and the
+   frozen head with `support=responses`: demo's training data has no options).
+
+Every stage runs each seed of `--seeds` (default 0-2; `select` and `ablate` use seed 0), and
+`--rows` restricts stages rows, cells and ood to some rows.
 
 `--render-only` writes results/token_calibration.md (tables, recovery, paired bootstraps
 against ts and cc_ts, the falsification outcome) and results/token_calibration.png.
@@ -232,22 +235,23 @@ class Study:
                     if row != "calm_token":
                         self.run(row, 4.0, 4 * BSTAR, "demo_id", seed)
         elif name == "cells":
-            for k, b in self.cells:
-                for row in self.rows:
-                    if row == "calm_token":
-                        self.token_row(k, b, "demo_id", 0)
-                    else:
-                        self.run(row, k, b, "demo_id", 0)
+            for seed in self.seeds:
+                for k, b in self.cells:
+                    for row in self.rows:
+                        if row == "calm_token":
+                            self.token_row(k, b, "demo_id", seed)
+                        else:
+                            self.run(row, k, b, "demo_id", seed)
         elif name == "ood":
-            for b in (4 * BSTAR, 0.0):
-                for row in (row for row in self.rows if row not in OOD_SKIPPED):
-                    if row in ("calm_token", "frozen_head"):  # no options in the training data
-                        extra = {"method.module.support": "responses"}
+            for seed in self.seeds:
+                for b in (4 * BSTAR, 0.0):
+                    for row in (row for row in self.rows if row not in OOD_SKIPPED):
+                        extra = {}
+                        if row in ("calm_token", "frozen_head"):  # no options in training data
+                            extra["method.module.support"] = "responses"
                         if row == "calm_token":
                             extra["method.module.token_lr"] = self.token_lr()
-                        self.run(row, 4.0, b, "demo", 0, extra=extra)
-                    else:
-                        self.run(row, 4.0, b, "demo", 0)
+                        self.run(row, 4.0, b, "demo", seed, extra=extra)
 
 
 # ----- analysis (reads the run folders) -----
