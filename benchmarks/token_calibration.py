@@ -505,6 +505,15 @@ def _figure(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _cell(text: str) -> tuple[float, float]:
+    """`--cells` items: `k:b`, e.g. 1:8."""
+    try:
+        k, b = (float(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not k:b (e.g. 1:8)") from None
+    return k, b
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", nargs="+",
@@ -513,8 +522,8 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--outputs", type=Path, default=ROOT / "outputs" / "token_calibration")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    parser.add_argument("--cells", nargs="+", default=[f"{k:g}:{b:g}" for k, b in CELLS],
-                        help="stage cells: the (k:b) cells to run, in this order")  # fmt: skip
+    parser.add_argument("--cells", nargs="+", type=_cell, default=list(CELLS),
+                        help="stage cells: the k:b cells to run, in this order")  # fmt: skip
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS),
                         help="stages rows, cells, ood: run only these rows")  # fmt: skip
     parser.add_argument("--render-only", action="store_true")
@@ -527,9 +536,8 @@ def main() -> None:
     args = parser.parse_args()
     study.EXTRA.update(dict(item.split("=", 1) for item in args.extra))
     if not args.render_only:
-        cells = tuple(tuple(float(x) for x in cell.split(":")) for cell in args.cells)
         runner = Study(args.results, args.outputs, tuple(args.seeds), args.keep_checkpoints,
-                       cells, tuple(args.rows))  # fmt: skip
+                       tuple(args.cells), tuple(args.rows))  # fmt: skip
         for name in args.stages:
             runner.stage(name)
     table = args.results.with_suffix(".md")
