@@ -191,11 +191,11 @@ class CALM(TrainingMethod):
 
     def _inner_lrs(self) -> float | list[float]:
         """rho for every inner variable: the adapters' rho, and with the joint value function
-        the head's copy at the head's own LR (its outer step size)."""
+        each head tensor's copy at its optimizer group's LR (its outer step size)."""
         if not self.joint_value:
             return self.inner_lr
-        n_theta, n_alpha = len(self._theta()[1]), len(self._alpha())
-        return [self.inner_lr] * n_theta + [self.upper_lr] * n_alpha
+        head = [group["lr"] for group in self.head_groups() for _ in group["params"]]
+        return [self.inner_lr] * len(self._theta()[1]) + head
 
     def _surrogate_names(self) -> list[str]:
         """Names of the surrogate's tensors (adapter names, then `head.<name>` when joint)."""

@@ -73,7 +73,7 @@ class CALMToken(CALM):
                 "method=calm_token builds on a scalar head: set method.head.kind=scalar"
             )
         # Checked and set before CALM's __init__, which builds the amortized surrogate's inner
-        # step from _inner_lrs (the entries' inner LR is token_lr).
+        # step from head_groups (the entries' inner LR is token_lr).
         self.check_arguments(
             support=support,
             support_size=support_size,
@@ -132,14 +132,6 @@ class CALMToken(CALM):
     def _blocks(self, n_theta: int, n_alpha: int) -> tuple[int, ...]:
         n_shared = len(self.model.head.shared_parameters())
         return (n_theta, n_shared, n_alpha - n_shared)
-
-    def _inner_lrs(self) -> float | list[float]:
-        if not self.joint_value:
-            return super()._inner_lrs()
-        n_theta = len(self._theta()[1])
-        head = self.model.head
-        return ([self.inner_lr] * n_theta + [self.upper_lr] * len(head.shared_parameters())
-                + [self.token_lr] * len(head.token_parameters()))  # fmt: skip
 
     def head_groups(self) -> list[dict]:
         # d0 by sign descent (calm_stop's); the entries by AdamW (or sign) with their own LR
