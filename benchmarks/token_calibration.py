@@ -204,9 +204,10 @@ class Study:
         best = min(zip(TOKEN_LRS, rows, strict=True), key=lambda pair: pair[1]["nll"])
         return best[0]
 
-    def token_row(self, k, b, setting, seed) -> dict:
+    def token_row(self, k, b, setting, seed, extra=None) -> dict:
+        """calm_token at the selected entry LR (+ `extra`, which comes first in its folder name)."""
         lr = {"method.module.token_lr": self.token_lr()}
-        return self.run("calm_token", k, b, setting, seed, extra=lr)
+        return self.run("calm_token", k, b, setting, seed, extra={**(extra or {}), **lr})
 
     def stage(self, name: str) -> None:
         if name == "select":
@@ -246,12 +247,13 @@ class Study:
             for seed in self.seeds:
                 for b in (4 * BSTAR, 0.0):
                     for row in (row for row in self.rows if row not in OOD_SKIPPED):
-                        extra = {}
-                        if row in ("calm_token", "frozen_head"):  # no options in training data
-                            extra["method.module.support"] = "responses"
+                        responses = {"method.module.support": "responses"}  # no options there
                         if row == "calm_token":
-                            extra["method.module.token_lr"] = self.token_lr()
-                        self.run(row, 4.0, b, "demo", seed, extra=extra)
+                            self.token_row(4.0, b, "demo", seed, extra=responses)
+                        elif row == "frozen_head":
+                            self.run(row, 4.0, b, "demo", seed, extra=responses)
+                        else:
+                            self.run(row, 4.0, b, "demo", seed)
 
 
 # ----- analysis (reads the run folders) -----
