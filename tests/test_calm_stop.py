@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from calm_lightning.methods.bome import bilevel_gradients, bome_direction
+from calm_lightning.methods.bome import InnerOptions, bilevel_gradients, bome_direction
 from calm_lightning.models.logit_adjustment import LogitAdjustment
 
 # ----- log-space head -----
@@ -79,11 +79,11 @@ def test_per_block_lambda_lets_a_small_block_brake_where_one_lambda_does_not():
 
 
 def _toy():
-    """benchmarks/calm_stop_toy.py: the synthetic temperature problem and its head loop."""
+    """studies/calm_stop_toy.py: the synthetic temperature problem and its head loop."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "calm_stop_toy.py"
+    path = Path(__file__).resolve().parents[1] / "studies" / "calm_stop_toy.py"
     spec = importlib.util.spec_from_file_location("calm_stop_toy", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -101,8 +101,8 @@ def test_joint_value_gives_the_head_the_cross_entropys_own_slope(start):
     s = torch.tensor([start], requires_grad=True)
     lower, upper = toy.head_losses(logits, y, heldout, theta, s, log=True)
     grads = bilevel_gradients(
-        [theta], [s], lower, upper, inner_steps=5, inner_lr=0.1, inner_optimizer="adam",
-        joint_value=True, head_inner_lr=0.1,
+        [theta], [s], lower, upper,
+        InnerOptions(steps=5, lr=0.1, optimizer="adam", joint_value=True),
     )  # fmt: skip
     expected = torch.autograd.grad(lower(None, True), [s])[0]
     torch.testing.assert_close(grads.grad_q[1], expected)

@@ -113,6 +113,32 @@ def test_one_outer_step_moves_each_block_by_its_own_rule(tiny_calm_stop, fit_on_
     assert module.persistent.step.lr[-2:] == [0.3, 0.05]
 
 
+@pytest.mark.parametrize("schedule", ["per_step", "amortized"])
+def test_the_surrogate_steps_the_entries_at_token_lr_under_both_schedules(
+    tiny_calm_stop, fit_on_demo, monkeypatch, schedule
+):
+    """One source for the head's inner step: whichever schedule forms theta~, its copy of d0
+    steps at upper_lr and its copies of the entries at token_lr (per_step once stepped them at
+    upper_lr). The step sizes are read where the inner rule applies them."""
+    from calm_lightning.methods import bome
+
+    used = []
+    original = bome.InnerStep.__call__
+
+    def spy(self, tensors, gradients):
+        used.append(self._lrs(len(tensors)))
+        return original(self, tensors, gradients)
+
+    monkeypatch.setattr(bome.InnerStep, "__call__", spy)
+    surrogate = {"schedule": schedule, "steps": 1}
+    module = _tiny_token(tiny_calm_stop, token_lr=0.02, surrogate=surrogate)
+    fit_on_demo(module)
+    assert used, "no inner step ran"
+    n_theta = len(module.model.adapter_parameters())
+    for lrs in used:
+        assert lrs == [1e-2] * n_theta + [0.3, 0.02]
+
+
 def test_a_frozen_entry_lr_leaves_a_temperature(tiny_calm_stop, fit_on_demo):
     module = _tiny_token(tiny_calm_stop, token_lr=0.0)
     fit_on_demo(module)

@@ -3,8 +3,9 @@ risky ones, and relaunched with the same command until it is done, ends with eve
 metrics equal to an uninterrupted sweep's; nothing is lost, restarted from zero after a
 checkpoint, or left half-written, and a last relaunch rewrites nothing.
 
-Run by hand: `pytest -m integration tests/test_chaos.py -s` (a few minutes on 2 cores);
-CHAOS_SEED picks another kill schedule.
+The system tier (`make test-system`, which CI runs after `make check`; run it before merging
+anything under runtime/, methods/training.py or data/resumable.py): a few minutes on 2 cores.
+By hand: `pytest -m system tests/test_chaos.py -s`; CHAOS_SEED picks another kill schedule.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+
+pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = 4
@@ -120,7 +123,6 @@ def _record_state(sweep_dir: Path) -> dict[str, int]:
             if p.is_file() and RECORD.search(p.name)}  # fmt: skip
 
 
-@pytest.mark.integration
 def test_a_sweep_killed_anywhere_and_relaunched_ends_as_an_uninterrupted_one(tmp_path):
     reference = tmp_path / "reference"
     assert _finish(_launch(reference)) == 0
@@ -190,7 +192,6 @@ class SlowSteps(L.Callback):
         time.sleep(self.seconds)
 
 
-@pytest.mark.integration
 def test_a_job_longer_than_its_time_limit_is_requeued_by_submitit_and_finishes(tmp_path):
     """submitit's local executor runs the cluster path: at timeout minus its signal delay
     (30 s) it signals the job, which saves a checkpoint after its step and is requeued through
@@ -217,7 +218,6 @@ def test_a_job_longer_than_its_time_limit_is_requeued_by_submitit_and_finishes(t
     assert not list(sweep.rglob("failed.json"))
 
 
-@pytest.mark.integration
 def test_a_parallel_sweep_outlives_a_killed_job_and_a_relaunch_reruns_only_it(tmp_path):
     """hydra/launcher=parallel, 3 jobs 2 at a time: one job's process is SIGKILLed inside a
     checkpoint save (as the out-of-memory killer would); the other two finish, the sweep ends

@@ -147,7 +147,7 @@ def test_a_module_entry_is_the_same_command_under_its_own_name(tmp_path, capsys)
     assert build_parser("export").parse_args(["export", "out=x"]).arguments == ["out=x"]
 
 
-@pytest.mark.integration
+@pytest.mark.system
 def test_run_starts_its_ddp_processes_through_the_one_command_line(tmp_path):
     """Lightning re-runs the command line for each further DDP process; through `python -m
     calm_lightning run` that must again be the Hydra app with the same overrides."""

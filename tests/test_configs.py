@@ -29,7 +29,22 @@ def _check_composes(compose, model: str, method: str, setting: str, tmp_path, ex
 
 # Methods and settings interact (optional method_setting files, interpolations), so every pair
 # is composed; a model only fills the `model` node, so each is composed once (the full cross
-# product grew past a thousand compositions, ~2.5 min, for no extra coverage).
+# product grew past a thousand compositions, ~2.5 min, for no extra coverage). The fast loop
+# composes the pairs a method_setting file joins (where they interact) plus every method and
+# every setting once; the gate (`integration`) composes all ~200 pairs (~30 s).
+def _pairs() -> list[tuple[str, str]]:
+    methods, settings = options("method"), options("setting")
+    joined = {(m, s) for m in methods for s in settings if f"{m}_{s}" in options("method_setting")}
+    joined |= {(m, "demo") for m in methods} | {("calm", s) for s in settings}
+    return sorted(joined)
+
+
+@pytest.mark.parametrize(("method", "setting"), _pairs())
+def test_each_method_setting_file_and_each_option_composes(method, setting, tmp_path, compose):
+    _check_composes(compose, "tiny", method, setting, tmp_path)
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("method", options("method"))
 @pytest.mark.parametrize("setting", options("setting"))
 def test_every_method_setting_pair_composes(method, setting, tmp_path, compose):
@@ -228,3 +243,39 @@ def test_calm_schedule_and_inner_step_have_one_default(tmp_path, compose):
         assert module.surrogate.schedule == calm_yaml.surrogate.schedule, extra
         assert module.inner_optimizer == calm_yaml.inner_optimizer, extra
         assert module.inner_lr == calm_yaml.inner_lr, extra
+
+
+@pytest.mark.parametrize("method", options("method"))
+def test_every_method_declares_the_traits_plan_and_report_read(method, tmp_path, compose):
+    from calm_lightning.method_traits import method_traits
+
+    traits = method_traits(compose([f"method={method}"], tmp_path).method)
+    assert traits.training in ("none", "single", "alternating", "bilevel")
+    module = compose([f"method={method}"], tmp_path).method.module
+    cls = get_class(module._target_)
+    from calm_lightning.methods.training import TrainingMethod
+
+    # a method that trains declares it, and one that does not says so
+    assert traits.trains == issubclass(cls, TrainingMethod), method
+
+
+def test_the_traits_name_what_the_code_does(tmp_path, compose):
+    """CALM's declared step series are the ones it logs; every method has its own place in
+    tables; a method without traits is refused naming its file."""
+    from calm_lightning.errors import ConfigError
+    from calm_lightning.method_traits import method_traits
+    from calm_lightning.methods.calm import STEP_SERIES
+
+    traits = {
+        m: method_traits(compose([f"method={m}"], tmp_path).method) for m in options("method")
+    }
+    for name in ("calm", "calm_stop", "calm_token"):
+        assert traits[name].step_series == STEP_SERIES and traits[name].bilevel
+    positions = [t.table_position for t in traits.values()]
+    assert len(set(positions)) == len(positions)
+    with pytest.raises(ConfigError, match=r"conf/method/mine\.yaml"):
+        method_traits(OmegaConf.create({"name": "mine"}))
+    with pytest.raises(ConfigError, match=r"method\.traits\.training='twice'"):
+        method_traits(
+            OmegaConf.create({"name": "x", "traits": {**vars(traits["reg"]), "training": "twice"}})
+        )

@@ -151,8 +151,8 @@ def _toy_problem(rows: slice, held: slice):
     return theta, alpha, lower, upper, rows.stop - rows.start, held.stop - held.start
 
 
-def _bilevel(rows, held, mean=None, **kwargs):
-    from calm_lightning.methods.bome import BatchLoss, bilevel_gradients
+def _bilevel(rows, held, mean=None, inner_optimizer="sgd"):
+    from calm_lightning.methods.bome import BatchLoss, InnerOptions, bilevel_gradients
 
     theta, alpha, lower, upper, n_rows, n_held = _toy_problem(rows, held)
     grads = bilevel_gradients(
@@ -160,10 +160,8 @@ def _bilevel(rows, held, mean=None, **kwargs):
         [alpha],
         BatchLoss(lower, n_rows),
         BatchLoss(upper, n_held),
-        inner_steps=3,
-        inner_lr=0.1,
+        InnerOptions(steps=3, lr=0.1, optimizer=inner_optimizer),
         mean=mean,
-        **kwargs,
     )
     return {
         "g": grads.g.item(),
@@ -508,7 +506,7 @@ def test_only_the_distributed_module_calls_collectives():
     assert not [c for found in calls.values() for c in found]
 
 
-@pytest.mark.integration
+@pytest.mark.system
 def test_a_training_step_hands_collectives_the_backends_device(tmp_path):
     # The bug this guards against: reg's non-finite check all-reduced a tensor made on the
     # default device (the CPU), which NCCL refuses at the first step under DDP and FSDP.
@@ -564,16 +562,22 @@ def _predictions(run: Path) -> list[dict]:
         ("calm", ["trainer.max_steps=4", "method.module.surrogate.schedule=per_step"]),
         # the persistent amortized surrogate: its measure-or-resync decision must agree
         # across ranks (global means), and its Adam moments live on every rank
-        (
+        # (the system tier: `make test-system`)
+        pytest.param(
             "calm",
             [
                 "trainer.max_steps=4",
                 "method.module.surrogate.schedule=amortized",
                 "method.module.surrogate.steps=2",
             ],
+            marks=pytest.mark.system,
         ),
         # instruction data (demo): token counts differ between the ranks' batches
-        ("reg", ["setting=demo", "setting.max_length=64", "trainer.max_steps=4"]),
+        pytest.param(
+            "reg",
+            ["setting=demo", "setting.max_length=64", "trainer.max_steps=4"],
+            marks=pytest.mark.system,
+        ),
     ],
 )
 def test_two_processes_train_what_one_process_trains_on_the_doubled_batch(tmp_path, method, extra):
@@ -604,7 +608,7 @@ def _same_predictions(a: Path, b: Path) -> None:
     assert ra == rb
 
 
-@pytest.mark.integration
+@pytest.mark.system
 def test_distributed_mcqa_evaluation_and_posthoc_fit_equal_one_process(tmp_path):
     # 40 questions in batches of 16: rank 0 scores batches 0 and 2, rank 1 batch 1
     common = [*TINY, "method=ts", "setting.test.limit=40"]  # T fitted on the held-out split
@@ -617,7 +621,7 @@ def test_distributed_mcqa_evaluation_and_posthoc_fit_equal_one_process(tmp_path)
     assert a["posthoc"]["temperature"] == pytest.approx(b["posthoc"]["temperature"], rel=1e-9)
 
 
-@pytest.mark.integration
+@pytest.mark.system
 def test_daca_under_ddp_fits_the_single_process_temperature_and_writes_one_cache(tmp_path):
     # DACA's pass runs the PoLM and the PLM's logit lens on every process; one writes the cache
     common = [
@@ -639,7 +643,7 @@ def test_daca_under_ddp_fits_the_single_process_temperature_and_writes_one_cache
     assert not list((tmp_path / "c2").rglob("*.tmp"))
 
 
-@pytest.mark.integration
+@pytest.mark.system
 def test_distributed_openqa_samples_do_not_depend_on_the_world_size(tmp_path, gen_ood):
     common = [*gen_ood("method=base"), "logger=none", "evaluation.openqa.n_samples=4"]
     _cli(tmp_path / "ddp", *common, *DDP)
@@ -651,7 +655,7 @@ def test_distributed_openqa_samples_do_not_depend_on_the_world_size(tmp_path, ge
 RUNS = ("full", "resumed")
 
 
-@pytest.mark.integration
+@pytest.mark.system
 def test_kill_and_resume_under_ddp_equals_the_uninterrupted_run(tmp_path, resume_overrides):
     # test_resume's run, on 2 processes
     common = [
@@ -795,7 +799,7 @@ def test_gpu_check_runs_from_a_checkout_root_with_its_default_output_folder(tmp_
     assert (out / "collectives" / "store").parent.is_dir()
 
 
-@pytest.mark.integration
+@pytest.mark.system
 def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     """`bash scripts/gpu_check.sh --cpu`: the GPU acceptance checks on the CPU, offline, with
     the byte-level tokenizer (no embedded-model wheel needed)."""

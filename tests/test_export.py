@@ -95,10 +95,9 @@ def _predictions(run_dir: Path) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def calm_run(tmp_path_factory, compose) -> Path:
-    run_dir = tmp_path_factory.mktemp("calm_run")
-    run_experiment(compose(TINY_CALM, run_dir))
-    return run_dir
+def calm_run(tiny_calm_run) -> Path:
+    """The session's tiny CALM run (conftest.py, TINY_CALM: 8 test questions)."""
+    return tiny_calm_run
 
 
 @pytest.fixture(scope="module")

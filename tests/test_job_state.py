@@ -120,6 +120,7 @@ def test_an_explicit_checkpoint_of_another_config_or_no_checkpoint_is_refused(tm
         resolve_checkpoint(str(tmp_path / "bad.ckpt"), tmp_path / "job", "mine")
 
 
+@pytest.mark.integration  # the command line, in a subprocess
 def test_a_relaunch_into_another_grids_folder_is_a_one_line_error(tmp_path):
     sweep = tmp_path / "sweep"
     job = sweep / "0_tiny_calm_demo_id"

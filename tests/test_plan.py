@@ -383,6 +383,7 @@ def test_an_unknown_budget_is_refused_in_one_line_naming_the_allowed_ones(capsys
     assert "choose one of full, paper" in capsys.readouterr().err
 
 
+@pytest.mark.integration  # subprocesses
 def test_a_whole_plan_and_its_help_never_import_torch():
     """`plan --help` and a whole plan (a sweep script, every job composed twice, the default
     device asked of nvidia-smi) in a fresh interpreter: torch stays out of sys.modules."""
@@ -402,3 +403,20 @@ def test_a_whole_plan_and_its_help_never_import_torch():
                           cwd=ROOT, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_a_method_is_priced_by_what_it_declares_not_by_its_name():
+    """calm_token is bilevel (its traits, inherited from calm): the plan prices its outer steps
+    as CALM's under the same surrogate schedule (calm_stop's amortized one: 1 + m passes and
+    the entropy pass), never as one pass (0.04 h against calm's 0.89 h before traits)."""
+    ood = ["model=olmo2", "setting=ood"]
+    (token, *_) = plan.plan("method=calm_token", ood, "a100_40g")
+    (calm, *_) = plan.plan(
+        "method=calm", [*ood, "method.module.surrogate.schedule=amortized"], "a100_40g"
+    )
+    (reg, *_) = plan.plan("method=reg", ood, "a100_40g")
+    assert token.traits.bilevel and calm.traits.bilevel and not reg.traits.bilevel
+    assert token.schedule == calm.schedule == "amortized"
+    assert token.estimate["step_s"] == pytest.approx(calm.estimate["step_s"], rel=1e-9)
+    # two lower-level passes and a held-out pass: three reg-sized passes per outer step
+    assert token.estimate["step_s"] == pytest.approx(3 * reg.estimate["step_s"], rel=0.05)

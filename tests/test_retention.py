@@ -296,31 +296,12 @@ def test_importing_the_package_and_the_pipeline_does_not_import_lm_eval():
 # ----- end to end: a tiny CALM run with retention, then the saved-run entry -----
 
 RETENTION_TASKS = ("piqa", "winogrande")
-TINY_CALM = [
-    "model=tiny",
-    "method=calm",
-    "setting=demo",
-    "setting.test.limit=8",
-    "peft.r=4",
-    "trainer.limit_train_batches=2",
-    "trainer.enable_progress_bar=false",
-    "logger=none",
-    "method.module.inner_steps=1",
-    "method.module.lower_lr=0.01",
-    "method.module.upper_lr=0.5",  # a head that moves the scores
-    f"evaluation.retention.tasks=[{','.join(RETENTION_TASKS)}]",
-    *[f"evaluation.retention.data_files.{t}=[{HUB / f'{t}.jsonl'}]" for t in RETENTION_TASKS],
-    f"evaluation.retention.limit={LIMIT}",
-]
 
 
 @pytest.fixture(scope="module")
-def calm_run(tmp_path_factory, compose) -> Path:
-    from calm_lightning.pipeline import run_experiment
-
-    run_dir = tmp_path_factory.mktemp("calm_retention")
-    run_experiment(compose(TINY_CALM, run_dir))
-    return run_dir
+def calm_run(tiny_calm_run) -> Path:
+    """The session's tiny CALM run (conftest.py: retention on piqa and winogrande, limit 4)."""
+    return tiny_calm_run
 
 
 def _samples(path: Path) -> list[list[float]]:

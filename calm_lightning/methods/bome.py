@@ -184,35 +184,73 @@ class InnerStep:
         return out
 
 
+@dataclass(frozen=True)
+class InnerOptions:
+    """How the surrogate theta~ steps, in both schedules: the one place its step sizes live.
+
+    `steps`: inner steps per outer step (per_step: T from the live theta; amortized: m steps
+    of the persistent theta~). `lr`: rho for every inner tensor, or one per tensor in the
+    inner problem's order (the adapters, then under `joint_value` the head's copies, each at
+    its own optimizer group's LR). `joint_value` (a departure from the paper): the value
+    function minimises over the head too (see `bilevel_gradients`)."""
+
+    steps: int = 1
+    lr: float | tuple[float, ...] = 1e-3
+    optimizer: str = "sgd"
+    betas: tuple[float, float] = (0.9, 0.95)
+    joint_value: bool = False
+
+    def step_rule(self) -> InnerStep:
+        """A fresh inner update rule (the persistent surrogate keeps its own)."""
+        lr = self.lr if isinstance(self.lr, int | float) else list(self.lr)
+        return InnerStep(self.optimizer, lr, self.betas)
+
+
+@dataclass
+class _Outer:
+    """What every part of one outer step reads: the head, the losses, the options, the mean."""
+
+    alpha: list[torch.Tensor]
+    lower_loss: LowerLoss
+    inner_losses: list[LowerLoss]
+    joint_value: bool
+    mean: GlobalMean
+
+
+@dataclass
+class _LivePass:
+    """Pass 1 at the live (theta, alpha): g and its two gradient blocks."""
+
+    g: torch.Tensor
+    g_theta: list[torch.Tensor | None]
+    g_alpha: list[torch.Tensor | None]
+
+
 def bilevel_gradients(
     theta: Sequence[torch.Tensor],
     alpha: Sequence[torch.Tensor],
     lower_loss: LowerLoss,
     upper_loss: Callable[[], torch.Tensor],
-    inner_steps: int,
-    inner_lr: float,
+    inner: InnerOptions,
     *,
     inner_losses: Sequence[LowerLoss] | None = None,
-    inner_optimizer: str = "sgd",
-    betas=(0.9, 0.95),
     keep_surrogate: bool = False,
     mean: GlobalMean | None = None,
     persistent: PersistentSurrogate | None = None,
-    joint_value: bool = False,
-    head_inner_lr: float | None = None,
 ) -> BilevelGradients:
     """The gradients of one CALM outer step, independent of what the model is.
 
     `lower_loss(None, True)` is g(alpha, theta) on the current batch with the live tensors;
     `lower_loss(s, track)` is g(alpha, s) with surrogate tensors `s` standing in for theta
     (`track=False`: the surrogate part needs no graph, only the alpha part does).
-    `upper_loss()` is f(alpha, theta).
+    `upper_loss()` is f(alpha, theta). `inner`: how theta~ steps (`InnerOptions`).
 
     Without `persistent` (the per_step schedule, Algorithm 1) theta~ starts at theta and takes
-    one inner step on each of `inner_losses` (None: `inner_steps` steps on `lower_loss`); a
+    one inner step on each of `inner_losses` (None: `inner.steps` steps on `lower_loss`); a
     first step on `lower_loss` itself reuses pass 1's gradient. With `persistent` (the
     amortized schedule) theta~ is that object's stored state, see `PersistentSurrogate`; it
-    takes `inner_steps` steps on `lower_loss` per call. The residual is always measured on the
+    takes `inner.steps` steps on `lower_loss` per call, by its own rule (built from the same
+    options: CALM makes both from one `InnerOptions`). The residual is always measured on the
     current batch: q = g(alpha, theta) - g(alpha, stopgrad theta~).
 
     Under data parallelism (`mean`, a `GlobalMean`) every loss value and gradient is the
@@ -221,41 +259,39 @@ def bilevel_gradients(
     so lambda and the direction are the same on every rank and equal one process's on the
     concatenated batch.
 
-    `joint_value` (a departure from the paper): the value function minimises over the head
-    too, v = min over (theta', alpha') of g, so the surrogate is (theta~, alpha~) (alpha~ steps
-    at `head_inner_lr`, default `inner_lr`) and lower_loss takes theta + alpha surrogate
-    tensors. v no longer depends on alpha: the head's residual gradient is the training
-    cross-entropy's own slope, grad_alpha q = grad_alpha g(alpha, theta), which changes sign at
-    the cross-entropy-optimal head; the surrogate only measures q's value.
+    `inner.joint_value` (a departure from the paper): the value function minimises over the
+    head too, v = min over (theta', alpha') of g, so the surrogate is (theta~, alpha~) (alpha~
+    steps at its entries of `inner.lr`) and lower_loss takes theta + alpha surrogate tensors.
+    v no longer depends on alpha: the head's residual gradient is the training cross-entropy's
+    own slope, grad_alpha q = grad_alpha g(alpha, theta), which changes sign at the
+    cross-entropy-optimal head; the surrogate only measures q's value.
     """
-    inner_losses = _inner_losses(lower_loss, inner_losses, inner_steps)
     theta, alpha = list(theta), list(alpha)
+    outer = _Outer(
+        alpha, lower_loss, _inner_losses(lower_loss, inner_losses, inner.steps),
+        inner.joint_value, mean or GlobalMean(),
+    )  # fmt: skip
     n_theta = len(theta)
     # The inner problem's variables: theta (the paper), or theta and the head (joint value).
-    inner_vars = theta + alpha if joint_value else theta
-    step = _inner_step_rule(
-        persistent, joint_value, inner_optimizer, inner_lr, head_inner_lr, betas, n_theta,
-        len(alpha),
-    )  # fmt: skip
+    inner_vars = theta + alpha if inner.joint_value else theta
+    step = persistent.step if persistent is not None else inner.step_rule()
     # Pass 1 at theta, alpha live: grad_theta g is grad_theta q (and the first inner step's
     # gradient when that step is on this batch from theta); grad_alpha g(alpha, theta) is the
     # residual's first alpha term.
-    mean = mean or GlobalMean()
     g = lower_loss(None, True)
     grads = torch.autograd.grad(g, theta + alpha, allow_unused=True)
-    g, grads = mean.both(g, grads, _count(lower_loss))
-    g_theta, g_alpha = list(grads[:n_theta]), list(grads[n_theta:])
+    g, grads = outer.mean.both(g, grads, _count(lower_loss))
+    live = _LivePass(g, list(grads[:n_theta]), list(grads[n_theta:]))
     surrogate, g_surrogate, grad_q = _surrogate_and_residual(
-        step, persistent, inner_vars, alpha, lower_loss, inner_losses, g, g_theta, g_alpha,
-        joint_value, mean,
-    )  # fmt: skip
+        outer, step, persistent, inner_vars, live
+    )
     if persistent is not None:
         persistent.tensors = [t.detach() for t in surrogate]
     kept = [t.detach() for t in surrogate] if keep_surrogate else None
-    del surrogate, g_alpha, step  # free before the entropy pass, the last peak
+    del surrogate, live, step  # free before the entropy pass, the last peak
     f = upper_loss()
     grad_f = torch.autograd.grad(f, theta + alpha, allow_unused=True)
-    f, grad_f = mean.both(f, grad_f, _count(upper_loss))
+    f, grad_f = outer.mean.both(f, grad_f, _count(upper_loss))
     return BilevelGradients(grad_f, grad_q, g.detach(), g_surrogate.detach(), f.detach(), kept)
 
 
@@ -273,67 +309,49 @@ def _inner_losses(
     return inner_losses
 
 
-def _inner_step_rule(
-    persistent, joint_value, inner_optimizer, inner_lr, head_inner_lr, betas, n_theta, n_alpha
-) -> InnerStep:
-    """The persistent surrogate's own rule (its moments kept), or a fresh one; under the joint
-    value function the head's copy steps at `head_inner_lr`."""
-    if persistent is not None:
-        return persistent.step
-    if joint_value:
-        head_lr = inner_lr if head_inner_lr is None else head_inner_lr
-        return InnerStep(inner_optimizer, [inner_lr] * n_theta + [head_lr] * n_alpha, betas)
-    return InnerStep(inner_optimizer, inner_lr, betas)
-
-
-def _surrogate_and_residual(
-    step, persistent, inner_vars, alpha, lower_loss, inner_losses, g, g_theta, g_alpha,
-    joint_value, mean,
-):  # fmt: skip
+def _surrogate_and_residual(outer: _Outer, step, persistent, inner_vars, live: _LivePass):
     """theta~ after this outer step's inner steps, g(alpha, theta~) and grad q over
     (theta, alpha)."""
     measured = surrogate = None
     if persistent is not None:
         persistent.resynced = False
     if persistent is not None and persistent.tensors is not None:
-        measured, surrogate = _advance_stored(
-            step, persistent, alpha, lower_loss, len(inner_losses), g, len(g_theta),
-            len(inner_vars), joint_value, mean,
-        )  # fmt: skip
+        measured, surrogate = _advance_stored(outer, step, persistent, live, len(inner_vars))
     if measured is None:
         if persistent is not None:
             persistent.step.reset()
-        first_gradient = g_theta + g_alpha if joint_value else g_theta
+        first_gradient = live.g_theta + live.g_alpha if outer.joint_value else live.g_theta
         surrogate, g_surrogate, g_alpha_surrogate = _fresh_surrogate(
-            step, inner_vars, alpha, lower_loss, inner_losses, first_gradient, joint_value, mean
+            outer, step, inner_vars, first_gradient
         )
     else:
         g_surrogate, g_alpha_surrogate = measured
-    if joint_value:
-        grad_q = g_theta + g_alpha
+    if outer.joint_value:
+        grad_q = live.g_theta + live.g_alpha
     else:
-        grad_q = g_theta + [_sub(a, b) for a, b in zip(g_alpha, g_alpha_surrogate, strict=True)]
+        grad_q = live.g_theta + [
+            _sub(a, b) for a, b in zip(live.g_alpha, g_alpha_surrogate, strict=True)
+        ]
     return surrogate, g_surrogate, grad_q
 
 
-def _advance_stored(
-    step, persistent, alpha, lower_loss, n_steps, g, n_theta, n_inner, joint_value, mean
-):
+def _advance_stored(outer: _Outer, step, persistent, live: _LivePass, n_inner: int):
     """The amortized schedule's stored theta~, measured on this batch and then stepped
-    `n_steps` times: ((g(alpha, theta~), its alpha gradient), the new theta~), or (None, None)
-    when it has fallen behind theta and is to be re-synchronised."""
+    once per inner loss: ((g(alpha, theta~), its alpha gradient), the new theta~), or
+    (None, None) when it has fallen behind theta and is to be re-synchronised."""
     # One pass at the stored theta~ gives the residual, its alpha part and the gradient of
     # theta~'s next inner step at once (theta~ is measured before it steps on this batch).
     stored = [t.detach().requires_grad_(True) for t in persistent.tensors]
-    g_stored = lower_loss(stored, True)
-    wrt = stored if joint_value else stored + alpha
+    g_stored = outer.lower_loss(stored, True)
+    wrt = stored if outer.joint_value else stored + outer.alpha
     both = torch.autograd.grad(g_stored, wrt, allow_unused=True)
-    g_stored, both = mean.both(g_stored, both, _count(lower_loss))
-    if float(g - g_stored) >= 0:  # theta~ is ahead of theta: it stands for L*(alpha)
-        measured = (g_stored, None if joint_value else list(both[n_theta:]))
+    g_stored, both = outer.mean.both(g_stored, both, _count(outer.lower_loss))
+    if float(live.g - g_stored) >= 0:  # theta~ is ahead of theta: it stands for L*(alpha)
+        n_theta = len(live.g_theta)
+        measured = (g_stored, None if outer.joint_value else list(both[n_theta:]))
         surrogate = step(stored, list(both[:n_inner]))
-        for _ in range(n_steps - 1):
-            surrogate = _inner_step(step, surrogate, lower_loss, mean)
+        for _ in range(len(outer.inner_losses) - 1):
+            surrogate = _inner_step(step, surrogate, outer.lower_loss, outer.mean)
         return measured, surrogate
     # fallen behind the live theta: re-synchronise (fresh inner moments)
     persistent.resyncs += 1
@@ -341,19 +359,18 @@ def _advance_stored(
     return None, None
 
 
-def _fresh_surrogate(
-    step, inner_vars, alpha, lower_loss, inner_losses, first_gradient, joint_value, mean
-):
-    """theta~ from the live tensors, one inner step per loss of `inner_losses`, then
-    g(alpha, theta~) and its alpha gradient (None under the joint value function)."""
+def _fresh_surrogate(outer: _Outer, step, inner_vars, first_gradient):
+    """theta~ from the live tensors, one inner step per inner loss, then g(alpha, theta~)
+    and its alpha gradient (None under the joint value function)."""
+    lower_loss, mean, alpha = outer.lower_loss, outer.mean, outer.alpha
     surrogate = [t.detach() for t in inner_vars]
-    for index, loss_fn in enumerate(inner_losses):
+    for index, loss_fn in enumerate(outer.inner_losses):
         if index == 0 and loss_fn is lower_loss:
             # the shared pass: pass 1's gradient is the first inner step's
             surrogate = step(surrogate, first_gradient)
         else:
             surrogate = _inner_step(step, surrogate, loss_fn, mean)
-    if joint_value:  # v's value only: it has no alpha-gradient
+    if outer.joint_value:  # v's value only: it has no alpha-gradient
         with torch.no_grad():
             g_surrogate = mean.value(lower_loss(surrogate, False), _count(lower_loss))
         return surrogate, g_surrogate, None

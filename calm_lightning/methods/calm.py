@@ -40,7 +40,7 @@ from calm_lightning.methods.bome import (
     INNER_OPTIMIZERS,
     BatchLoss,
     BilevelGradients,
-    InnerStep,
+    InnerOptions,
     PersistentSurrogate,
     bilevel_gradients,
     bome_direction,
@@ -172,7 +172,7 @@ class CALM(TrainingMethod):
         self.lower_mode = "vocab"
         # The amortized schedule's persistent theta~ (training state: goes into checkpoints).
         self.persistent = (
-            PersistentSurrogate(InnerStep(inner_optimizer, self._inner_lrs(), self.betas))
+            PersistentSurrogate(self.inner_options().step_rule())
             if self.schedule == "amortized"
             else None
         )
@@ -189,13 +189,16 @@ class CALM(TrainingMethod):
     def _alpha(self) -> list[torch.nn.Parameter]:
         return list(self.model.head_parameters().values())
 
-    def _inner_lrs(self) -> float | list[float]:
-        """rho for every inner variable: the adapters' rho, and with the joint value function
-        each head tensor's copy at its optimizer group's LR (its outer step size)."""
-        if not self.joint_value:
-            return self.inner_lr
-        head = [group["lr"] for group in self.head_groups() for _ in group["params"]]
-        return [self.inner_lr] * len(self._theta()[1]) + head
+    def inner_options(self) -> InnerOptions:
+        """How theta~ steps, the same in both schedules: rho for the adapters and, with the
+        joint value function, each head tensor's copy at its optimizer group's LR (its outer
+        step size: calm_token's entries at token_lr, d0 at upper_lr)."""
+        steps = self.inner_steps if self.schedule != "amortized" else self.surrogate_steps
+        lr: float | tuple[float, ...] = self.inner_lr
+        if self.joint_value:
+            head = [group["lr"] for group in self.head_groups() for _ in group["params"]]
+            lr = tuple([self.inner_lr] * len(self._theta()[1]) + head)
+        return InnerOptions(steps, lr, self.inner_optimizer, tuple(self.betas), self.joint_value)
 
     def _surrogate_names(self) -> list[str]:
         """Names of the surrogate's tensors (adapter names, then `head.<name>` when joint)."""
@@ -306,7 +309,6 @@ class CALM(TrainingMethod):
         names, theta = self._theta()
         alpha = self._alpha()
         lower = self.lower_loss_fn(train, names)
-        steps = self.inner_steps if self.persistent is None else self.surrogate_steps
         # Several separate gradients of different objectives (some w.r.t. surrogate tensors
         # that are not parameters) are needed, so torch.autograd.grad replaces
         # manual_backward here; the combined direction is then written into .grad.
@@ -315,14 +317,9 @@ class CALM(TrainingMethod):
             alpha,
             lower,
             self.upper_loss_fn(heldout),
-            steps,
-            self.inner_lr,
-            inner_optimizer=self.inner_optimizer,
-            betas=self.betas,
+            self.inner_options(),
             mean=GlobalMean(),
             persistent=self.persistent,
-            joint_value=self.joint_value,
-            head_inner_lr=self.upper_lr,
         )
         bad = first_non_finite(
             lower_loss=grads.g,

@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.base_cache import NOT_MODEL, NOT_SCORING
+from calm_lightning.method_traits import MethodTraits, method_traits
 from calm_lightning.models.lora import checkpointing_enabled
 from calm_lightning.models.shapes import Shape, parameter_count
 from calm_lightning.planning import cost_model
-from calm_lightning.planning.passes import CALM_METHODS
 
 CONF_PACKAGE = "calm_lightning.conf"  # the config tree (top-level conf/ in a checkout)
 
@@ -29,6 +29,8 @@ class Job:
     overrides: list[str]
     method: str
     model: str
+    # What the method declares (its conf/method/*.yaml traits): passes.py prices by these.
+    traits: MethodTraits = field(default_factory=lambda: MethodTraits("single"))
     train_rows: int | None = None
     heldout_rows: int | None = None
     eval_rows: int | None = None
@@ -126,6 +128,7 @@ def describe(overrides: list[str], sweep: str | None = None) -> Job:
     job = Job(
         overrides=overrides,
         method=str(cfg.method.name),
+        traits=method_traits(cfg.method),
         model=_model_label(select(cfg, "model.name"), select(cfg, "model.shape", default=None)),
         train_rows=split_rows(setting.train) if "train" in setting else None,
         heldout_rows=split_rows(setting.heldout) if "heldout" in setting else None,
@@ -139,7 +142,7 @@ def describe(overrides: list[str], sweep: str | None = None) -> Job:
     )
     _describe_costs(job, cfg)
     epochs = trainer.get("max_epochs")
-    if epochs and job.method not in ("base", "ts"):
+    if epochs and job.traits.trains:
         job.epochs = int(epochs)
         job.epoch_batches = batches_per_epoch(
             job.train_rows, job.batch, select(cfg, "method.epoch_batches", default=None),
@@ -148,11 +151,11 @@ def describe(overrides: list[str], sweep: str | None = None) -> Job:
         job.train_steps = job.epochs * job.epoch_batches
         if int(trainer.get("max_steps", -1)) > 0:
             job.train_steps = min(job.train_steps, int(trainer.max_steps))
-    if job.method in CALM_METHODS:
+    if job.traits.bilevel:
         job.schedule = str(select(cfg, "method.module.surrogate.schedule", default="per_step"))
         job.inner_steps = int(module.get("inner_steps", 1))
         job.surrogate_steps = int(select(cfg, "method.module.surrogate.steps", default=1))
-    if job.method == "iterate":
+    if job.traits.training == "alternating":
         job.lower_steps = int(module.get("lower_steps", 1))
     job.base_key = base_cache_key(cfg, sweep)
     return job

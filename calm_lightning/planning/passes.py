@@ -15,11 +15,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from calm_lightning.method_traits import MethodTraits
 from calm_lightning.planning import cost_model as cm
 
-CALM_METHODS = {"calm", "calm_stop"}
-SINGLE_LEVEL = {"reg", "ls", "cft"}
-FORWARD_FIRST = {"ls", "cft"}  # a forward over the training split before training (targets)
 # Mean longest row of a random batch of Alpaca rows (batch size -> tokens, max_length 512),
 # measured by benchmarks/padded_width.py on 2,000 real rows (results/padded_width_alpaca.json).
 EXPECTED_WIDTH = {"AlpacaSource": {4: 169.7, 8: 203.9, 16: 239.7, 32: 277.4}}
@@ -44,11 +42,11 @@ def step_passes(job) -> tuple[float, float, float]:
     amortized: the pass at theta, m passes at the persistent theta~ and the entropy pass.
     Iterate: a plain LoRA pass, and every `lower_steps` steps an upper step's forward on a
     held-out batch (its backward runs through the head only)."""
-    if job.method in CALM_METHODS:
+    if job.traits.bilevel:
         if job.schedule == "amortized":
             return 1 + (job.surrogate_steps or 1), 1, 0
         return job.inner_steps or 1, 1, 1
-    if job.method == "iterate":
+    if job.traits.training == "alternating":
         return 1, 0, 1 / max(job.lower_steps, 1)
     return 1, 0, 0
 
@@ -74,9 +72,9 @@ def _evaluation(job, shape, device, share) -> float:
     fwd = cm.forward_flops(shape, job.eval_max_length, cm.lora_parameters(shape, job.lora_r))
     scores_base = job.compare_with_base and job.train_steps
     passes = 2 if scores_base and getattr(job, "base_read_from", None) is None else 1
-    rows = (job.eval_rows or 0) * passes + (job.heldout_rows or 0) * (job.method == "ts")
+    rows = (job.eval_rows or 0) * passes + (job.heldout_rows or 0) * job.traits.heldout_forward
     total = cm.seconds(rows * job.eval_max_length * fwd, device, share)
-    if job.method in FORWARD_FIRST and job.train_steps:
+    if job.traits.forward_first and job.train_steps:
         train_fwd = cm.forward_flops(shape, job.max_length)
         total += cm.seconds((job.train_rows or 0) * job.max_length * train_fwd, device, share)
     if job.sampling:  # open QA Sem-ECE: n samples of up to max_new_tokens per question
@@ -144,9 +142,7 @@ def _peak(job, shape, checkpointing: bool) -> float:
         return cm.inference_peak_bytes(models, job.eval_batch * job.eval_max_length)
     lora = cm.lora_parameters(shape, job.lora_r)
     tokens = max(job.batch, job.heldout_batch) * job.max_length
-    return cm.peak_bytes(
-        shape, job.quantized, tokens, lora, checkpointing, job.method in CALM_METHODS
-    )
+    return cm.peak_bytes(shape, job.quantized, tokens, lora, checkpointing, job.traits.bilevel)
 
 
 def calm_ratios(costs: dict) -> list[str]:
@@ -165,7 +161,7 @@ def calm_ratios(costs: dict) -> list[str]:
             continue
         step = steps[name]
         job = SimpleNamespace(
-            method="calm", schedule=step.get("schedule", "per_step"),
+            traits=MethodTraits("bilevel"), schedule=step.get("schedule", "per_step"),
             inner_steps=step.get("inner_steps"), surrogate_steps=step.get("surrogate_steps"),
         )  # fmt: skip
         train, heldout, forwards = step_passes(job)
@@ -177,7 +173,7 @@ def calm_ratios(costs: dict) -> list[str]:
 
 def paper_comparison(job, estimate_: dict) -> str | None:
     """The paper's Table 10 figure for this method, beside this job's estimate."""
-    key = "calm" if job.method in CALM_METHODS else job.method
+    key = job.traits.paper_cost_row
     if key not in cm.PAPER_TABLE10 or "gpu_hours" not in estimate_:
         return None
     text, paper_s, paper_gb = cm.PAPER_TABLE10[key]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from calm_lightning.method_traits import UNLISTED_POSITION
 from calm_lightning.runtime.job_state import IDENTITY_FILE
 from calm_lightning.runtime.run_record import (
     CONFIG_FILE,
@@ -39,6 +40,9 @@ class Run:
     params: dict = field(default_factory=dict)
     retention: dict | None = None  # retention.json's rows (base, method): task -> metrics
     failed: bool = False  # it wrote failed.json (else an error means: not finished)
+    # What its method declares (method.traits; runs saved before traits: listed last, no panels)
+    table_position: int = UNLISTED_POSITION
+    step_series: tuple[str, ...] = ()
 
 
 def _flatten(node, prefix: str = "") -> dict:
@@ -113,6 +117,8 @@ def _read(folder: Path) -> tuple[Run, str | None]:
         error=record.error,
         retention=(record.retention or {}).get("rows"),
         failed=record.failure is not None,
+        table_position=int(flat.get("method.traits.table_position", UNLISTED_POSITION)),
+        step_series=tuple(flat.get("method.traits.step_series", ())),
     )
     identity = folder / IDENTITY_FILE
     digest = json.loads(identity.read_text()).get("digest") if identity.is_file() else None

@@ -20,7 +20,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from calm_lightning.reporting.collect import Run
-from calm_lightning.reporting.selection import Choice, calibration_key, method_order, select
+from calm_lightning.reporting.selection import (
+    Choice,
+    calibration_key,
+    method_order,
+    select,
+    table_positions,
+)
 from calm_lightning.runtime.loggers import RELIABILITY_KEY
 from calm_lightning.runtime.run_record import read_wandb_id
 
@@ -104,11 +110,15 @@ def picked_view(choices: list[Choice], ids: dict[Path, str], entity, project, na
             is_open=True,
         )
     ]
-    if any(c.method in ("calm", "calm_stop") for c in choices):
-        from calm_lightning.methods.calm import STEP_SERIES  # (torch: only when CALM ran)
-
-        series = [wr.LinePlot(title=s.split("/")[-1], x="Step", y=[s]) for s in STEP_SERIES]
-        sections.append(ws.Section(name="CALM per step (picked run)", panels=series, is_open=True))
+    # Each method's per-step series, as its runs' configs declare them (method.traits).
+    declared = {c.method: c.runs[0].step_series for c in choices if c.runs}
+    for method, step_series in sorted(declared.items()):
+        if not step_series:
+            continue
+        series = [wr.LinePlot(title=s.split("/")[-1], x="Step", y=[s]) for s in step_series]
+        sections.append(
+            ws.Section(name=f"{method} per step (picked run)", panels=series, is_open=True)
+        )
     return ws.Workspace(
         entity=entity or "",
         project=project,
@@ -132,10 +142,9 @@ def sweep_views(
         return [], {}
     project, logged_entity = _project(logged)
     entity = entity or logged_entity
-    choices = sorted(
-        select(logged, min_accuracy_ratio),
-        key=lambda c: (c.model, c.setting, method_order(c.method)),
-    )
+    choices = select(logged, min_accuracy_ratio)
+    positions = table_positions(choices)
+    choices.sort(key=lambda c: (c.model, c.setting, method_order(c.method, positions)))
     groups = defaultdict(list)
     for run in logged:
         groups[(run.model, run.setting, run.method)].append(run)

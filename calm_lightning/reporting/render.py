@@ -22,7 +22,13 @@ from calm_lightning.reporting.retention_table import (
     retention_rows,
     write_retention_csv,
 )
-from calm_lightning.reporting.selection import Choice, calibration_key, method_order, select
+from calm_lightning.reporting.selection import (
+    Choice,
+    calibration_key,
+    method_order,
+    select,
+    table_positions,
+)
 from calm_lightning.runtime.run_record import RELIABILITY_FILE
 
 
@@ -42,6 +48,7 @@ def markdown_tables(choices: list[Choice]) -> str:
     by_table = defaultdict(list)
     for choice in choices:
         by_table[(choice.model, choice.setting)].append(choice)
+    positions = table_positions(choices)
     parts = []
     for (model, setting), rows in sorted(by_table.items()):
         # Only the metrics some row reports (MCQA and open-ended QA report different ones).
@@ -54,7 +61,7 @@ def markdown_tables(choices: list[Choice]) -> str:
         parts.append(f"### {model} / {setting}\n")
         parts.append("| method | " + " | ".join(m.column for m in columns) + " | seeds |")
         parts.append("|---|" + "---|" * (len(columns) + 1))
-        for row in sorted(rows, key=lambda c: method_order(c.method)):
+        for row in sorted(rows, key=lambda c: method_order(c.method, positions)):
             cells = [_cell(row, m.key, row is best[m.key]) for m in columns]
             parts.append(f"| {row.method} | " + " | ".join(cells) + f" | {row.n_seeds} |")
         parts.append("")
@@ -239,6 +246,7 @@ def reliability_grid(choices: list[Choice], path: Path) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    positions = table_positions(choices)
     rows = defaultdict(list)
     for c in choices:
         image = c.runs[0].path / RELIABILITY_FILE
@@ -250,7 +258,7 @@ def reliability_grid(choices: list[Choice], path: Path) -> Path | None:
     fig = Figure(figsize=(5.5 * n_cols, 2.9 * len(rows)), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     for i, (key, panels) in enumerate(sorted(rows.items())):
-        panels.sort(key=lambda p: method_order(p[0]))
+        panels.sort(key=lambda p: method_order(p[0], positions))
         for j in range(n_cols):
             ax = fig.add_subplot(len(rows), n_cols, i * n_cols + j + 1)
             ax.axis("off")

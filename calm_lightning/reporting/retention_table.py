@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from calm_lightning.method_traits import UNLISTED_POSITION
 from calm_lightning.reporting.collect import Run
-from calm_lightning.reporting.selection import Choice, method_order
+from calm_lightning.reporting.selection import Choice, method_order, table_positions
 
 METRICS = ("acc", "acc_norm", "conf_ece")
 
@@ -28,6 +29,7 @@ class RetentionRow:
     method: str
     values: dict[str, dict[str, list[float]]]  # task -> metric -> one value per seed
     n: dict[str, int]  # task -> documents scored (the first seed's)
+    order: tuple[int, str] = (UNLISTED_POSITION, "")  # its place in tables (method_order)
 
     def mean_std(self, task: str, metric: str) -> tuple[float, float, int] | None:
         values = self.values.get(task, {}).get(metric)
@@ -68,11 +70,10 @@ def retention_rows(choices: list[Choice], runs: list[Run]) -> list[RetentionRow]
     for (model, setting), seeds in base_seeds.items():
         for seed in sorted(seeds):
             _add(rows, (model, setting, "base"), seeds[seed])
+    positions = table_positions(choices)
+    for row in rows.values():
+        row.order = method_order(row.method, positions)
     return list(rows.values())
-
-
-def _order(method: str) -> tuple[int, str]:
-    return method_order(method), method
 
 
 def _cell(row: RetentionRow, task: str, metric: str) -> str:
@@ -103,7 +104,7 @@ def retention_markdown(rows: list[RetentionRow]) -> str:
         "",
     ]
     for (model, setting), members in sorted(by_table.items()):
-        members.sort(key=lambda r: _order(r.method))
+        members.sort(key=lambda r: r.order)
         tasks = list(dict.fromkeys(t for r in members for t in r.values))
         for metric, label in (("acc", "acc"), ("conf_ece", "conf-ECE")):
             parts.append(f"### {model} / {setting}: {label}\n")
@@ -132,7 +133,7 @@ def write_retention_csv(rows: list[RetentionRow], path: Path) -> Path:
                 *[f"{m}{s}" for m in METRICS for s in ("", "_std")],
             ]
         )
-        for row in sorted(rows, key=lambda r: (r.model, r.setting, _order(r.method))):
+        for row in sorted(rows, key=lambda r: (r.model, r.setting, r.order)):
             for task in row.values:
                 stats = [row.mean_std(task, m) for m in METRICS]
                 n_seeds = max((s[2] for s in stats if s), default=0)

@@ -14,7 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from calm_lightning.method_traits import UNLISTED_POSITION
 from calm_lightning.reporting.collect import Run
+
+# The untouched model's row: every training run records it beside its own (runtime/run_record.py).
+BASE_ROW = "base"
 
 
 def calibration_key(metrics: dict) -> str:
@@ -93,25 +97,15 @@ def select(
     return choices
 
 
-# The order tables list methods in.
-METHOD_ORDER = [
-    "base",
-    "ts",
-    "ls",
-    "reg",
-    "iterate",
-    "cft",
-    "calm",
-    "calm_stop",
-    "elicitation",
-    "cape",
-    "ic",
-    "daca",
-    "daca_repo",
-    "dual_align",
-]
+def table_positions(choices: list[Choice]) -> dict[str, int]:
+    """Where each method's row goes, from what its runs' configs declare
+    (`method.traits.table_position`); the untouched model's row first."""
+    positions = {c.method: c.runs[0].table_position for c in choices if c.runs}
+    positions.setdefault(BASE_ROW, -1)
+    return positions
 
 
-def method_order(method: str) -> int:
-    """Where a method goes in a table (the papers' order; unknown methods last)."""
-    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
+def method_order(method: str, positions: dict[str, int]) -> tuple[int, str]:
+    """The sort key of a method's row: its declared position (runs saved before traits
+    existed: last), then its name."""
+    return positions.get(method, UNLISTED_POSITION), method

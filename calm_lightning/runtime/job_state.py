@@ -51,6 +51,9 @@ IGNORED_KEYS = (
     "trainer.log_every_n_steps",
     "evaluation.base_cache",
     "evaluation.base_cache_dir",
+    # What plan and report read about a method (conf/method/*.yaml): not what the job computes,
+    # so a sweep folder started before a trait changed still holds the same jobs.
+    "method.traits",
 )
 
 
