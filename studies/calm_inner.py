@@ -6,9 +6,9 @@ g(theta) - g(theta~) on that batch (= the per-step residual q), its share of g, 
 per-element move |theta~ - theta| / sqrt(n) next to the lower LR (about what one outer AdamW
 step moves an element by). Config overrides as for `python -m calm_lightning.run`:
 
-    python benchmarks/calm_inner.py setting=ood setting.train.files=[/data/alpaca.jsonl] \\
+    python studies/calm_inner.py setting=ood setting.train.files=[/data/alpaca.jsonl] \\
         setting.batch_size=4 setting.max_length=128 -- --pairs sgd:1e-3 sgd:1e-1 adam:1e-3
-    python benchmarks/calm_inner.py model=tiny -- --batches 1 --pairs sgd:1e-2 adam:1e-3
+    python studies/calm_inner.py model=tiny -- --batches 1 --pairs sgd:1e-2 adam:1e-3
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ DEFAULT_PAIRS = ["sgd:1e-3", "sgd:1e-2", "sgd:1e-1", "sgd:1", "adam:1e-4", "adam
 
 def main() -> None:
     argv = sys.argv[1:]
+    if "--" not in argv and {"-h", "--help"} & set(argv):
+        argv = ["--", *argv]  # no Hydra overrides: the help is the script's own
     overrides, rest = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
@@ -36,7 +38,7 @@ def main() -> None:
 
     import calm_lightning.runtime.resolvers  # noqa: F401  (registers resolvers)
     from calm_lightning.evaluation.scorers import scorer_from_config
-    from calm_lightning.methods.bome import bilevel_gradients
+    from calm_lightning.methods.bome import InnerOptions, bilevel_gradients
     from calm_lightning.models.loading import load_language_model
     from calm_lightning.pipeline import build_datamodule, build_method
 
@@ -69,9 +71,9 @@ def main() -> None:
         drops, shares, moves, gs = [], [], [], []
         for batch in batches:
             lower = module.lower_loss_fn(batch, names)
+            inner = InnerOptions(args.inner_steps, float(rho), kind, tuple(module.betas))
             grads = bilevel_gradients(
-                theta, alpha, lower, lambda: sum(a.sum() for a in alpha) * 0.0,
-                args.inner_steps, float(rho), inner_optimizer=kind, betas=module.betas,
+                theta, alpha, lower, lambda: sum(a.sum() for a in alpha) * 0.0, inner,
                 keep_surrogate=True,
             )  # fmt: skip
             moved = sum(

@@ -9,7 +9,7 @@ schedule (40 % warmup, cosine to 0). The script prints the final temperature of 
 combination at several upper LRs and run lengths; `tests/test_calm_stop.py` uses the same
 functions.
 
-    python benchmarks/calm_stop_toy.py [--k 4]
+    python studies/calm_stop_toy.py [--k 4]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 import torch
 from scipy.optimize import minimize_scalar
 
-from calm_lightning.methods.bome import bilevel_gradients, bome_direction
+from calm_lightning.methods.bome import InnerOptions, bilevel_gradients, bome_direction
 from calm_lightning.methods.training import warmup_cosine
 
 PAPER = {"log": False, "joint": False, "per_block": False, "sign": False}
@@ -77,10 +77,10 @@ def final_temperature(problem, lr: float, steps: int, switches: dict, eta: float
         lower, upper = head_losses(
             logits[rows], y[rows], heldout[rows], theta, head, switches["log"]
         )
-        grads = bilevel_gradients(
-            [theta], [head], lower, upper, inner_steps=3, inner_lr=0.05, inner_optimizer="adam",
-            joint_value=switches["joint"], head_inner_lr=lr,
-        )  # fmt: skip
+        # under the joint value function the head's copy steps at the head's own LR
+        inner = InnerOptions(steps=3, lr=(0.05, lr) if switches["joint"] else 0.05,
+                             optimizer="adam", joint_value=switches["joint"])  # fmt: skip
+        grads = bilevel_gradients([theta], [head], lower, upper, inner)
         blocks = (1, 1) if switches["per_block"] else None
         head.grad = bome_direction(grads.grad_f, grads.grad_q, eta=eta, blocks=blocks).direction[1]
         opt.step()

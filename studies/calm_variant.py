@@ -1,5 +1,5 @@
 """CALM with a stopping point (`method=calm_stop`) against the paper's form, on the
-known-miscalibration study's protocol (benchmarks/known_miscalibration.py).
+known-miscalibration study's protocol (studies/known_miscalibration.py).
 
 The embedded SmolLM2-135M-Instruct with every logit x k (`model.logit_scale=k`), `setting=demo`
 (OOD analogue), 12 outer steps of batch 4, lower LR 1e-4, each run its own
@@ -26,9 +26,9 @@ upper_lr, outer_steps, seed, split, label, accuracy, conf_ece, effective_tempera
 `results/calm_variant.png`. Paper-form rows at other k come from
 results/known_miscalibration.json (the same protocol, committed).
 
-    python benchmarks/calm_variant.py                       # everything (~2 h on 2 cores)
-    python benchmarks/calm_variant.py --stages select main  # the first stages only
-    python benchmarks/calm_variant.py --render-only
+    python studies/calm_variant.py                       # everything (~2 h on 2 cores)
+    python studies/calm_variant.py --stages select main  # the first stages only
+    python studies/calm_variant.py --render-only
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import known_miscalibration as study  # noqa: E402  (the study's run / record helpers)
+if __package__:  # python -m studies.calm_variant, or imported from the package
+    from . import paired_bootstrap, study_runs
+else:  # python studies/calm_variant.py: Python puts this folder first on the import path
+    import paired_bootstrap
+    import study_runs
 
-ROOT = study.ROOT
+ROOT = study_runs.ROOT
 VARIANT = "calm_stop"
 UPPER_LRS = (0.1, 0.3, 1.0)  # the selection grid: a 10x range in log-space travel per step
 KS = (4.0, 2.0, 8.0, 1.0)
@@ -94,8 +96,8 @@ def variant_overrides(upper_lr: float, steps: int = 12) -> dict:
 class Study:
     def __init__(self, results: Path, outputs: Path) -> None:
         self.results, self.outputs = results, outputs
-        self.records = study.load(results)
-        self.tokenizer, self.test_records = study._tokenizer_and_test()
+        self.records = study_runs.load(results)
+        self.tokenizer, self.test_records = study_runs.tokenizer_and_test()
 
     def done(self, meta: dict) -> dict | None:
         key = json.dumps({k: v for k, v in meta.items() if k != "head"}, sort_keys=True)
@@ -110,19 +112,20 @@ class Study:
         found = self.done(meta)
         if found:
             return found
-        # common() sets the study's 12 steps; variant_overrides says otherwise when it differs
-        payload = study.run({**study.common(k, setting, seed, split), **overrides}, run_dir)
-        temperature = study.effective_temperature(
+        # the protocol sets the study's 12 steps; variant_overrides says otherwise when it differs
+        protocol = study_runs.miscalibration_overrides(k, setting, seed, split)
+        payload = study_runs.run({**protocol, **overrides}, run_dir)
+        temperature = study_runs.effective_temperature(
             run_dir, payload, self.tokenizer, self.test_records
         )
-        record = study.record_of(meta, payload, run_dir, temperature)
+        record = study_runs.record_of(meta, payload, run_dir, temperature)
         self.records.append(record)
-        study.save(self.results, self.records)
+        study_runs.save(self.results, self.records)
         return record
 
     def select(self) -> float:
         base = next(
-            r for r in study.load(ROOT / "results/known_miscalibration_selection.json")
+            r for r in study_runs.load(ROOT / "results/known_miscalibration_selection.json")
             if (r["logit_scale"], r["setting"], r["method"]) == (4.0, "demo", "base")
         )  # fmt: skip
         rows = [self.run(4.0, "demo", 0, "heldout", VARIANT, None, variant_overrides(lr))
@@ -168,11 +171,11 @@ class Study:
 
 
 def _ms(values: list[float]) -> str:
-    return study._mean_std(values) if values else "–"
+    return study_runs.mean_std(values) if values else "–"
 
 
 def _committed() -> list[dict]:
-    return study.load(ROOT / "results/known_miscalibration.json")
+    return study_runs.load(ROOT / "results/known_miscalibration.json")
 
 
 def _row(name, k, setting, rows, base_ece=None) -> str:
@@ -180,13 +183,13 @@ def _row(name, k, setting, rows, base_ece=None) -> str:
     temps = [r["effective_temperature"] for r in rows if r.get("effective_temperature")]
     ratio = f"{statistics.fmean(ece) / base_ece:.2f}" if base_ece and ece else "–"
     accuracy = _ms([r["accuracy"] for r in rows])
-    where = study.SETTINGS.get(setting, setting)
+    where = study_runs.SETTINGS.get(setting, setting)
     return (f"| {k:g} | {where} | {name} | {len(rows)} | {accuracy} | {_ms(ece)} | {ratio} | "
             f"{_ms(temps)} |")  # fmt: skip
 
 
 def render(results: Path, table: Path) -> None:
-    records = study.load(results)
+    records = study_runs.load(results)
     committed = _committed()
     lines = ["## Test split, OOD (`setting=demo`) and in domain (`demo_id`)", "",
              "| k | setting | method | seeds | accuracy | conf-ECE | × base | T_eff |",
@@ -238,7 +241,7 @@ def render(results: Path, table: Path) -> None:
             lo, hi = b["ci95"]
             lines.append(f"| {b['a_name']} | {b['b_name']} | {b['k']:g} | {b['difference']:+.4f} "
                          f"| {b['standard_error']:.4f} | [{lo:+.4f}, {hi:+.4f}] |")  # fmt: skip
-        study.save(results.with_name(results.stem + "_bootstrap.json"), boots)
+        study_runs.save(results.with_name(results.stem + "_bootstrap.json"), boots)
     table.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     figure(records, table.with_suffix(".png"))
@@ -248,7 +251,7 @@ def _budget_rows(records: list[dict]) -> list[dict]:
     """The variant's held-out runs at k = 4, and the paper form's scalar-head selection runs
     (committed; T_eff = 1 / d at the end, the head being scalar)."""
     rows = [r for r in records if r["split"] == "heldout" and r["logit_scale"] == 4.0]
-    selection = study.load(ROOT / "results/known_miscalibration_selection.json")
+    selection = study_runs.load(ROOT / "results/known_miscalibration_selection.json")
     for r in selection:
         o = r["overrides"]
         if (r["logit_scale"], r["setting"], r["method"]) != (4.0, "demo", "calm"):
@@ -266,8 +269,6 @@ def bootstraps(records: list[dict]) -> list[dict]:
     """Paired bootstraps on the test split, where both run folders exist: the variant's every
     seed against base / TS (no randomness: their seed 0 stands for all) and against the paper
     form's re-run (seed 0)."""
-    from paired_bootstrap import compare, paired, predictions
-
     from calm_lightning.runtime.run_record import is_run_dir
 
     def find(k, variant, label, seed):
@@ -287,8 +288,9 @@ def bootstraps(records: list[dict]) -> list[dict]:
             rb = find(k, VARIANT, None, seed)
             if ra is None or rb is None:
                 continue
-            result = compare(*paired(predictions(ROOT / ra["run_dir"]),
-                                     predictions(ROOT / rb["run_dir"])))  # fmt: skip
+            result = paired_bootstrap.compare(*paired_bootstrap.paired(
+                paired_bootstrap.predictions(ROOT / ra["run_dir"]),
+                paired_bootstrap.predictions(ROOT / rb["run_dir"])))  # fmt: skip
             out.append({"k": k, "a_name": " ".join(x for x in (variant, label) if x),
                         "b_name": f"{VARIANT} seed {seed}", **result})  # fmt: skip
     return out
@@ -367,7 +369,7 @@ def main() -> None:
     args = parser.parse_args()
     results = ROOT / args.results
     table = results.with_suffix(".md")
-    study.EXTRA.update({"model": args.model})
+    study_runs.EXTRA.update({"model": args.model})
     if not args.render_only:
         runner = Study(results, ROOT / args.outputs)
         lr = runner.select()

@@ -17,26 +17,27 @@ Runs already in the results file are skipped, so an interrupted study continues 
 stopped. Everything runs the demo budgets (12 outer steps of batch 4 for every training
 method, the same for reg and calm). About 1.5 h on 2 CPU cores for k = 4 OOD with 3 seeds.
 
-    python benchmarks/known_miscalibration.py                          # the committed study
-    python benchmarks/known_miscalibration.py --cells 4:demo --seeds 0 --methods calm_per_step
+    python studies/known_miscalibration.py                          # the committed study
+    python studies/known_miscalibration.py --cells 4:demo --seeds 0 --methods calm_per_step
         --results /tmp/check.json     # re-run one cell (k = 4 OOD, seed 0, CALM per_step)
-    python benchmarks/known_miscalibration.py --render-only            # table + figure only
+    python studies/known_miscalibration.py --render-only            # table + figure only
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from calm_lightning.runtime.run_record import is_run_dir, read_run
 
-ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = {"demo": "OOD", "demo_id": "ID"}
+if __package__:  # python -m studies.known_miscalibration, or imported from the package
+    from . import study_runs
+else:  # python studies/known_miscalibration.py: Python puts this folder first on the import path
+    import study_runs
+
+ROOT = study_runs.ROOT
+SETTINGS = study_runs.SETTINGS
 T = 20  # inner steps of the per_step estimator (paper: 20)
 # Held-out selection grids. reg: the paper's LR grid and entropy weights from its grid up to
 # 1 (a fair chance to flatten a 4x over-confident model). calm: head variants x upper LR; the
@@ -61,39 +62,7 @@ CALM_GRID = [
     *({"method.head.kind": "scalar", "method.module.upper_lr": lr} for lr in (5e-2, 1e-1, 2e-1)),
 ]
 METHODS = ("base", "ts", "reg", "calm_per_step", "calm_amortized", "calm_frozen_head")
-
-
-def run(overrides: dict, out: Path) -> dict:
-    """One `python -m calm_lightning.run` process; returns its metrics.json."""
-    if not (is_run_dir(out) and read_run(out).finished):
-        args = [f"{k}={v}" for k, v in overrides.items()]
-        cmd = [sys.executable, "-m", "calm_lightning.run", *args, f"hydra.run.dir={out}"]
-        print("+", " ".join(cmd[2:]), flush=True)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        start = time.time()
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(f"run failed ({out}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        print(f"  done in {time.time() - start:.0f} s", flush=True)
-    return read_run(out).summary
-
-
-EXTRA: dict = {}  # --model / --extra: overrides added to every run (smoke runs on model=tiny)
 GRID_LIMIT: list[int | None] = [None]  # --grid-limit: the first N entries of each grid
-
-
-def common(k: float, setting: str, seed: int, split: str) -> dict:
-    return {
-        **EXTRA,
-        "model.logit_scale": k,
-        "setting": setting,
-        "seed": seed,
-        "setting.test.split": split,
-        "evaluation.compare_with_base": "false",
-        "trainer.limit_train_batches": 12,  # the demo budget, the same for every method
-        "setting.max_length": 192,
-        "trainer.enable_progress_bar": "false",
-    }
 
 
 def method_overrides(method: str, chosen: dict) -> dict:
@@ -110,60 +79,6 @@ def method_overrides(method: str, chosen: dict) -> dict:
     return calm
 
 
-def effective_temperature(run_dir: Path, payload: dict, tokenizer, test_records) -> float | None:
-    """TS: its T. A head: 1 / (mean of d over the option-text tokens of the test questions,
-    each token as often as it occurs; the plain cloze prompt's continuations). None without
-    a head (base, reg)."""
-    posthoc = payload.get("posthoc") or {}
-    if "temperature" in posthoc:
-        return float(posthoc["temperature"])
-    head_file = run_dir / "calibration" / "logit_adjustment.safetensors"
-    if not head_file.is_file():
-        return None
-    from safetensors.torch import load_file
-
-    from calm_lightning.data.cloze_batches import encode_question
-
-    d = load_file(str(head_file))["scale"]
-    if d.numel() == 1:
-        return 1.0 / float(d)
-    ids = []
-    for record in test_records:
-        _, conts, _ = encode_question(tokenizer, record["question"], record["choices"], "plain")
-        ids.extend(i for cont in conts for i in cont)
-    return 1.0 / float(d[ids].mean())
-
-
-def record_of(cell: dict, payload: dict, run_dir: Path, temperature) -> dict:
-    metrics = payload["metrics"]
-    out = {
-        **cell,
-        "accuracy": metrics["accuracy"],
-        "mean_confidence": metrics.get("mean_confidence"),
-        "conf_ece": metrics["conf_ece"],
-        "cw_ece": metrics.get("cw_ece"),
-        "brier": metrics.get("brier"),
-        "nll": metrics.get("nll"),
-        "effective_temperature": temperature,
-        "run_dir": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else None,
-    }
-    steps = payload.get("calm_steps")
-    if steps:
-        out["calm_steps"] = steps
-    return out
-
-
-def load(path: Path) -> list[dict]:
-    return json.loads(path.read_text()) if path.is_file() else []
-
-
-def save(path: Path, records: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(records, indent=1) + "\n")
-    tmp.replace(path)
-
-
 def key(record: dict) -> tuple:
     return tuple(
         record.get(k) for k in ("logit_scale", "setting", "method", "schedule", "seed", "label")
@@ -172,7 +87,7 @@ def key(record: dict) -> tuple:
 
 def select(k: float, setting: str, outputs: Path, path: Path) -> dict:
     """Run (or read) the held-out grids of reg and calm; return the chosen overrides."""
-    records = load(path)
+    records = study_runs.load(path)
     done = {key(r) for r in records}
 
     def grid_run(method: str, label: str, overrides: dict) -> None:
@@ -181,9 +96,11 @@ def select(k: float, setting: str, outputs: Path, path: Path) -> dict:
         if key(cell) in done:
             return
         run_dir = outputs / "selection" / f"k{k:g}_{setting}" / label
-        payload = run({**common(k, setting, 0, "heldout"), **overrides}, run_dir)
-        records.append(record_of(cell, payload, run_dir, None))
-        save(path, records)
+        payload = study_runs.run(
+            {**study_runs.miscalibration_overrides(k, setting, 0, "heldout"), **overrides}, run_dir
+        )
+        records.append(study_runs.record_of(cell, payload, run_dir, None))
+        study_runs.save(path, records)
 
     grid_run("base", "base", {"method": "base"})
     limit = GRID_LIMIT[0]
@@ -212,7 +129,7 @@ def study(args) -> None:
     results_path = ROOT / args.results
     selection_path = results_path.with_name(results_path.stem + "_selection.json")
 
-    tokenizer, test_records = _tokenizer_and_test()
+    tokenizer, test_records = study_runs.tokenizer_and_test()
     for cell in args.cells:
         k_text, setting = cell.split(":")
         k = float(k_text)
@@ -220,7 +137,7 @@ def study(args) -> None:
         # A run counts as done only with the overrides the current selection gives; records
         # made under an earlier choice are dropped from the results file.
         records = [
-            r for r in load(results_path)
+            r for r in study_runs.load(results_path)
             if (r["logit_scale"], r["setting"]) != (k, setting)
             or r["overrides"] == method_overrides(_method_key(r), chosen)
         ]  # fmt: skip
@@ -242,13 +159,18 @@ def study(args) -> None:
                 meta["overrides"] = method_overrides(method, chosen)
                 if (key(meta), json.dumps(meta["overrides"], sort_keys=True)) in done:
                     continue
-                overrides = {**common(k, setting, seed, "test"), **meta["overrides"]}
+                overrides = {
+                    **study_runs.miscalibration_overrides(k, setting, seed, "test"),
+                    **meta["overrides"],
+                }
                 tag = "_".join(f"{v}" for k_, v in meta["overrides"].items() if k_ != "method")
                 run_dir = outputs / f"k{k:g}_{setting}" / f"{method}_s{seed}_{tag}".rstrip("_")
-                payload = run(overrides, run_dir)
-                temperature = effective_temperature(run_dir, payload, tokenizer, test_records)
-                records.append(record_of(meta, payload, run_dir, temperature))
-                save(results_path, records)
+                payload = study_runs.run(overrides, run_dir)
+                temperature = study_runs.effective_temperature(
+                    run_dir, payload, tokenizer, test_records
+                )
+                records.append(study_runs.record_of(meta, payload, run_dir, temperature))
+                study_runs.save(results_path, records)
     render(results_path, ROOT / args.table, outputs)
 
 
@@ -257,28 +179,6 @@ def _method_key(record: dict) -> str:
     if record["method"] != "calm":
         return record["method"]
     return "calm_frozen_head" if record["label"] == "frozen_head" else f"calm_{record['schedule']}"
-
-
-def _tokenizer_and_test():
-    from transformers import AutoTokenizer
-
-    from calm_lightning.models import embedded
-
-    if EXTRA.get("model") == "tiny":
-        location = embedded.ensure_tokenizer(os.environ.get("CALM_LIGHTNING_CACHE"))
-    else:
-        location = embedded.ensure_converted(os.environ.get("CALM_LIGHTNING_CACHE"))
-    tokenizer = AutoTokenizer.from_pretrained(str(location))
-    path = ROOT / "calm_lightning" / "data" / "demo" / "mcqa_test.jsonl"
-    return tokenizer, [json.loads(line) for line in path.read_text().splitlines() if line]
-
-
-def _mean_std(values: list[float]) -> str:
-    import statistics
-
-    if len(values) == 1:
-        return f"{values[0]:.4f}"
-    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
 ROW_ORDER = [
@@ -293,7 +193,7 @@ ROW_ORDER = [
 
 def render(results_path: Path, table_path: Path, outputs: Path) -> None:
     """The markdown table (mean ± std over seeds) and the k = 4 OOD reliability figure."""
-    records = load(results_path)
+    records = study_runs.load(results_path)
     lines = [
         "| k | setting | method | seeds | accuracy | mean conf. | conf-ECE | cw-ECE | T_eff |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -311,11 +211,11 @@ def render(results_path: Path, table_path: Path, outputs: Path) -> None:
             name = method + (f" {schedule}" if schedule else "") + (f" ({label})" if label else "")
             temps = [r["effective_temperature"] for r in rows if r["effective_temperature"]]
             cells_ = [
-                _mean_std([r["accuracy"] for r in rows]),
-                _mean_std([r["mean_confidence"] for r in rows]),
-                _mean_std([r["conf_ece"] for r in rows]),
-                _mean_std([r["cw_ece"] for r in rows]),
-                _mean_std(temps) if temps else "–",
+                study_runs.mean_std([r["accuracy"] for r in rows]),
+                study_runs.mean_std([r["mean_confidence"] for r in rows]),
+                study_runs.mean_std([r["conf_ece"] for r in rows]),
+                study_runs.mean_std([r["cw_ece"] for r in rows]),
+                study_runs.mean_std(temps) if temps else "–",
             ]
             lines.append(
                 f"| {k:g} | {SETTINGS.get(setting, setting)} | {name} | {len(rows)} | "
@@ -460,7 +360,7 @@ def main() -> None:
     args = parser.parse_args()
     # A check run (--results /tmp/check.json) must not overwrite the committed table/figure.
     args.table = args.table or str(Path(args.results).with_suffix(".md"))
-    EXTRA.update({"model": args.model}, **dict(o.split("=", 1) for o in args.extra))
+    study_runs.EXTRA.update({"model": args.model}, **dict(o.split("=", 1) for o in args.extra))
     GRID_LIMIT[0] = args.grid_limit
     if args.render_only:
         render(ROOT / args.results, ROOT / args.table, ROOT / args.outputs)

@@ -7,7 +7,7 @@ conf-ECE, their difference (b − a) and the paired bootstrap's standard error a
 percentile interval of that difference (the same resampled questions for both runs), with
 scipy's `stats.bootstrap`.
 
-    python benchmarks/paired_bootstrap.py RUN_A RUN_B [--metric conf_ece|classwise_ece|nll|accuracy]
+    python studies/paired_bootstrap.py RUN_A RUN_B [--metric conf_ece|classwise_ece|nll|accuracy]
         [--resamples 2000] [--seed 0]
 
 RUN_A and RUN_B are run folders (or their predictions files).

@@ -14,8 +14,8 @@ Each (pair, method, reference_prompt, seed) is one `python -m calm_lightning.run
 records go to `results/reference_prompt.json` (resumable: a finished run is not repeated) and
 the table to `results/reference_prompt.md`.
 
-    python benchmarks/reference_prompt.py --mmlu-file /data/mmlu_test.jsonl
-    python benchmarks/reference_prompt.py --pairs tiny          # seconds
+    python studies/reference_prompt.py --mmlu-file /data/mmlu_test.jsonl
+    python studies/reference_prompt.py --pairs tiny          # seconds
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def render(records: list[dict], path: Path) -> None:
         )
     path.write_text(
         "Mean (± sample std over seeds, n − 1) of each cell; regenerate with "
-        "`python benchmarks/reference_prompt.py --mmlu-file <mmlu test jsonl>`, raw records "
+        "`python studies/reference_prompt.py --mmlu-file <mmlu test jsonl>`, raw records "
         "in `results/reference_prompt.json`.\n\n" + "\n".join(lines) + "\n"
     )
     print("\n".join(lines))

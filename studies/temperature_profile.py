@@ -14,8 +14,8 @@ Checks printed with the table: at s = k (no temperature) the curve must give the
 base rows, and at s = k / T the TS rows; both are scored by the pipeline from a model whose
 final norm weight is multiplied by k, an independent computation.
 
-    python benchmarks/temperature_profile.py   # the demo test split (~10 min on 2 busy cores)
-    python benchmarks/temperature_profile.py -- --results results/known_miscalibration.json
+    python studies/temperature_profile.py   # the demo test split (~10 min on 2 busy cores)
+    python studies/temperature_profile.py -- --results results/known_miscalibration.json
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def profile(cfg, scales: list[float]) -> tuple[list[dict], list]:
 
 def main() -> None:
     argv = sys.argv[1:]
+    if "--" not in argv and {"-h", "--help"} & set(argv):
+        argv = ["--", *argv]  # no Hydra overrides: the help is the script's own
     overrides, rest = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )

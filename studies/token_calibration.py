@@ -30,9 +30,9 @@ Every stage runs each seed of `--seeds` (default 0-2; `select` and `ablate` use 
 `--render-only` writes results/token_calibration.md (tables, recovery, paired bootstraps
 against ts and cc_ts, the falsification outcome) and results/token_calibration.png.
 
-    python benchmarks/token_calibration.py --stages key     # the falsification cell (~1 h)
-    python benchmarks/token_calibration.py                  # everything (many hours on 2 cores)
-    python benchmarks/token_calibration.py --render-only
+    python studies/token_calibration.py --stages key     # the falsification cell (~1 h)
+    python studies/token_calibration.py                  # everything (many hours on 2 cores)
+    python studies/token_calibration.py --render-only
 """
 
 from __future__ import annotations
@@ -44,11 +44,13 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import known_miscalibration as study  # noqa: E402  (run / load / save helpers)
-import paired_bootstrap  # noqa: E402
+if __package__:  # python -m studies.token_calibration, or imported from the package
+    from . import paired_bootstrap, study_runs
+else:  # python studies/token_calibration.py: Python puts this folder first on the import path
+    import paired_bootstrap
+    import study_runs
 
-ROOT = study.ROOT
+ROOT = study_runs.ROOT
 RESULTS = ROOT / "results" / "token_calibration.json"
 BSTAR = 8.0  # b* = 8 k (docs/posthoc.md, "Choosing b*")
 SEEDS = (0, 1, 2)
@@ -134,7 +136,7 @@ TOKEN_LRS = (0.3, 1.0, 3.0)  # calm_token's entry LR, chosen on the held-out spl
 
 def common(k: float, b: float, setting: str, seed: int, split: str = "test") -> dict:
     return {
-        **study.EXTRA,
+        **study_runs.EXTRA,
         "setting.test.split": split,
         "model.logit_scale": k,
         "model.logit_distortion": f"{{bias: {b}, seed: {seed}}}",
@@ -166,7 +168,7 @@ class Study:
     ) -> None:
         self.results, self.outputs, self.seeds = results, outputs, seeds
         self.keep_checkpoints, self.cells, self.rows = keep_checkpoints, cells, rows
-        self.records = study.load(results)
+        self.records = study_runs.load(results)
 
     def run(self, row, k, b, setting, seed, split="test", extra=None, label=None) -> dict:
         """One run of ROWS[row] (+ `extra`), recorded as method `label` (default: row)."""
@@ -180,7 +182,8 @@ class Study:
                              for key, value in extra.items())  # fmt: skip
         cell = f"{setting}_k{k:g}_b{b:g}_s{seed}" + ("" if split == "test" else f"_{split}")
         run_dir = self.outputs / cell / name
-        payload = study.run({**common(k, b, setting, seed, split), **ROWS[row], **extra}, run_dir)
+        overrides = {**common(k, b, setting, seed, split), **ROWS[row], **extra}
+        payload = study_runs.run(overrides, run_dir)
         metrics = payload["metrics"]
         record = {**meta, **{m: metrics.get(m) for m in (
             "accuracy", "nll", "brier", "conf_ece", "cw_ece", "mean_confidence")},
@@ -190,7 +193,7 @@ class Study:
             if payload.get(extra):
                 record[extra] = payload[extra]
         self.records.append(record)
-        study.save(self.results, self.records)
+        study_runs.save(self.results, self.records)
         if not self.keep_checkpoints:  # ~0.5 GB a training run; the record holds what we read
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         return record
@@ -350,10 +353,10 @@ def bootstrap(a: dict, b: dict, metric: str) -> dict:
 
 
 def render(results: Path, table: Path, figure: Path) -> None:
-    records = study.load(results)
+    records = study_runs.load(results)
     if not records:
         sys.exit(f"no records in {results}")
-    tokenizer, test = study._tokenizer_and_test()
+    tokenizer, test = study_runs.tokenizer_and_test()
     test_by_id = {item["id"]: item for item in test}
     from calm_lightning.data.cloze_batches import encode_question
 
@@ -411,8 +414,8 @@ def _mean(values) -> str:
 def markdown(analysis: dict) -> str:
     rows = analysis["rows"]
     lines = ["# Per-token calibration study", "",
-             "Regenerate: `python benchmarks/token_calibration.py --render-only` (runs: "
-             "`python benchmarks/token_calibration.py`); raw records in "
+             "Regenerate: `python studies/token_calibration.py --render-only` (runs: "
+             "`python studies/token_calibration.py`); raw records in "
              "`results/token_calibration.json`, this analysis in "
              "`results/token_calibration.analysis.json`. Test split (held out from every fit).",
              "", "**Falsification.** " + analysis["falsification"],
@@ -536,7 +539,7 @@ def main() -> None:
     )
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every run")
     args = parser.parse_args()
-    study.EXTRA.update(dict(item.split("=", 1) for item in args.extra))
+    study_runs.EXTRA.update(dict(item.split("=", 1) for item in args.extra))
     if not args.render_only:
         runner = Study(args.results, args.outputs, tuple(args.seeds), args.keep_checkpoints,
                        tuple(args.cells), tuple(args.rows))  # fmt: skip

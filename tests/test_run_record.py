@@ -38,7 +38,8 @@ def test_file_names_live_in_the_run_record_only():
     assert {"metrics.json", "predictions.jsonl", "config_resolved.yaml", "failed.json"} <= set(
         names
     )
-    sources = [*(ROOT / "calm_lightning").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    folders = ("calm_lightning", "benchmarks", "studies")
+    sources = [path for folder in folders for path in (ROOT / folder).rglob("*.py")]
     for path in sources:
         if path.name == "run_record.py":
             continue

@@ -1,0 +1,167 @@
+"""The research studies still run, as scripts and as modules of the `studies` package (their
+numbers are read by people, not asserted here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDIES = ROOT / "studies"
+# The studies that import the shared helpers (study_runs, paired_bootstrap) from their folder.
+SHARING = ("known_miscalibration", "token_calibration", "calm_variant")
+
+
+def _run(name: str, *args: str, module: bool = False, timeout: int = 300) -> str:
+    """`python studies/<name>.py ...`, or `python -m studies.<name> ...` from the root."""
+    target = ["-m", f"studies.{name}"] if module else [str(STUDIES / f"{name}.py")]
+    done = subprocess.run(
+        [sys.executable, *target, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        # The scripts import the package of this checkout, whatever else is installed.
+        env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT)),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _study(name: str):
+    """A study module loaded from its file (for the ones that import no sibling)."""
+    spec = importlib.util.spec_from_file_location(name, STUDIES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("module", [False, True], ids=["script", "module"])
+def test_the_studies_find_their_shared_helpers_either_way(module):
+    for name in SHARING:
+        assert "usage:" in _run(name, "--help", module=module)
+
+
+def test_no_study_edits_the_import_path():
+    for path in STUDIES.glob("*.py"):
+        assert "sys.path" not in path.read_text(), path.name
+
+
+@pytest.mark.system  # a study's smoke run (make test-system)
+def test_reference_prompt_benchmark_records_the_known_temperature(tmp_path):
+    import json
+
+    results = tmp_path / "reference_prompt.json"
+    _run(
+        "reference_prompt",
+        *("--pairs", "tiny", "--seeds", "0", "--out", str(tmp_path / "runs")),
+        *("--results", str(results)),
+    )
+    records = json.loads(results.read_text())
+    assert {(r["method"], r["reference_prompt"]) for r in records} == {
+        (m, p) for m in ("daca", "dual_align") for p in ("plain", "chat")
+    }
+    for record in records:
+        if record["reference_prompt"] == "chat":  # the same input: T = k exactly
+            assert abs(record["temperature"] - record["logit_scale"]) < 1e-3
+    assert "| tiny | daca | chat |" in results.with_suffix(".md").read_text()
+
+
+@pytest.mark.system  # a study's smoke run (make test-system)
+def test_known_miscalibration_renders_mean_and_sample_std_and_the_by_k_figure(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    records = []
+    for k in (1.0, 4.0):
+        records.append({"logit_scale": k, "setting": "demo", "method": "base", "schedule": None,
+                        "seed": 0, "label": None, "accuracy": 0.5, "mean_confidence": 0.9,
+                        "conf_ece": 0.2 * k, "cw_ece": 0.1, "effective_temperature": None,
+                        "run_dir": None})  # fmt: skip
+        for seed in (0, 1, 2):
+            records.append({**records[-1 - seed], "method": "calm", "schedule": "per_step",
+                            "seed": seed, "accuracy": float(rng.uniform(0.4, 0.6)),
+                            "conf_ece": float(rng.uniform(0.1, 0.3)),
+                            "effective_temperature": float(rng.uniform(1, 3))})  # fmt: skip
+    results = tmp_path / "km.json"
+    results.write_text(json.dumps(records))
+    out = _run("known_miscalibration", "--render-only", "--results", str(results), module=True)
+    for k in (1.0, 4.0):
+        calm = [r for r in records if r["method"] == "calm" and r["logit_scale"] == k]
+        ece = np.array([r["conf_ece"] for r in calm])
+        row = next(line for line in out.splitlines() if line.startswith(f"| {k:g} | OOD | calm"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3] == "3"
+        assert cells[6] == f"{ece.mean():.4f} ± {ece.std(ddof=1):.4f}"  # sample std
+    assert (tmp_path / "km.md").read_text().strip() == out.strip()
+    assert (tmp_path / "km_by_k.png").stat().st_size > 0  # two k in one setting
+    assert not (tmp_path / "km.png").exists()  # no run folders: no reliability diagrams
+
+
+@pytest.mark.system  # a study's smoke run (make test-system)
+def test_temperature_profile_at_s_equal_k_is_the_pipelines_k_scaled_base(compose, tmp_path):
+    """One pass of the unscaled model gives the option probabilities at any scale s; at s = k
+    they must be what the pipeline scores for the model whose final norm weight is x k."""
+    import numpy as np
+
+    from calm_lightning.metrics.calibration import confidence_ece
+    from calm_lightning.pipeline import run_experiment
+
+    profile = _study("temperature_profile").profile
+    common = ["model=tiny", "peft.r=4", "method=base", "setting=demo", "setting.test.limit=8",
+              "setting.eval_batch_size=4", "evaluation.scoring=cloze",
+              "evaluation.cloze.prompt=plain", "trainer.enable_progress_bar=false"]  # fmt: skip
+    scales = [1.0, 2.5]
+    rows, probs = profile(compose([*common, "model.logit_scale=1"], tmp_path / "p"), scales)
+    for k, row, mine in zip(scales, rows, probs, strict=True):
+        out = tmp_path / f"k{k}"
+        run_experiment(compose([*common, f"model.logit_scale={k}"], out))
+        scored = [json.loads(line) for line in (out / "predictions.jsonl").open()]
+        theirs = np.array([r["probs"] for r in scored])
+        assert mine.shape == (8, 4) and np.abs(mine - theirs).max() < 1e-5
+        labels = np.array([r["label"] for r in scored])
+        assert abs(row["conf_ece"] - confidence_ece(mine, labels)) < 1e-12
+        assert abs(row["mean_confidence"] - theirs.max(1).mean()) < 1e-5
+    assert np.abs(probs[0] - probs[1]).max() > 1e-2  # the scale matters
+
+
+@pytest.mark.system  # a study's smoke run (make test-system)
+def test_paired_bootstrap_matches_a_hand_resampled_difference(tmp_path):
+    """The script's standard error of conf-ECE(b) − conf-ECE(a) is the spread of that
+    difference over questions resampled with replacement, the same questions for both runs."""
+    import numpy as np
+
+    from calm_lightning.metrics.calibration import confidence_ece
+
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 4, 200)
+    logits = rng.normal(size=(200, 4)) + 1.5 * np.eye(4)[labels]
+    pa = np.exp(3 * logits) / np.exp(3 * logits).sum(1, keepdims=True)  # over-confident
+    pb = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    for name, p in (("a", pa), ("b", pb)):
+        (tmp_path / name).mkdir()
+        rows = [{"id": f"q{i}", "probs": p[i].tolist(), "label": int(labels[i])}
+                for i in range(200)]  # fmt: skip
+        rows = rows[::-1] if name == "b" else rows  # paired by id, not by line
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        (tmp_path / name / "predictions.jsonl").write_text(text)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    out = _run("paired_bootstrap", a, b, "--resamples", "1000")
+    diff = confidence_ece(pb, labels) - confidence_ece(pa, labels)
+    assert f"b - a  {diff:+.4f}" in out
+    se = float(out.split("s.e. ")[1].split(",")[0])
+    mine = []
+    for _ in range(1000):
+        i = rng.integers(0, 200, 200)
+        mine.append(confidence_ece(pb[i], labels[i]) - confidence_ece(pa[i], labels[i]))
+    assert abs(se - np.std(mine)) < 0.15 * np.std(mine)
+    low, high = (float(x) for x in out.split("interval [")[1].split("]")[0].split(", "))
+    assert low < diff < high and high - low > 2 * se
+    same = _run("paired_bootstrap", a, a, "--resamples", "50")
+    assert "b - a  +0.0000  paired bootstrap s.e. 0.0000" in same
