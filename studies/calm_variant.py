@@ -56,16 +56,16 @@ PAPER = {"method": "calm", "method.module.inner_steps": 20, "method.head.kind": 
 # Each switch alone on the paper form (the study's amortized schedule, as its selection grid).
 ABLATION = {
     "log_head": {"method.head.parameterization": "log"},
-    "joint_value": {"method.module.value_function": "joint"},
-    "per_block_lambda": {"method.module.lambda_blocks": "per_block"},
-    "sign_step": {"method.module.head_step": "sign"},
+    "joint_value": {"method.module.variant.value_function": "joint"},
+    "per_block_lambda": {"method.module.variant.lambda_blocks": "per_block"},
+    "sign_step": {"method.module.variant.head_step": "sign"},
 }
 # The variant with each switch turned back to the paper's value (at the variant's upper LR).
 LEAVE_ONE_OUT = {
     "without_log_head": {"method.head.parameterization": "linear"},
-    "without_joint_value": {"method.module.value_function": "lower"},
-    "without_per_block_lambda": {"method.module.lambda_blocks": "one"},
-    "without_sign_step": {"method.module.head_step": "adamw"},
+    "without_joint_value": {"method.module.variant.value_function": "lower"},
+    "without_per_block_lambda": {"method.module.variant.lambda_blocks": "one"},
+    "without_sign_step": {"method.module.variant.head_step": "adamw"},
 }
 STAGES = ("select", "main", "budget", "ablation", "in_domain", "seeds", "leave_one_out")
 

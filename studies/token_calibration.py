@@ -83,7 +83,7 @@ ROWS = {
 # the entries stop short of the truth for want of steps (48 outer steps instead of 12).
 ABLATIONS = {
     "no_entries": {"method.module.token_lr": 0.0},  # the shared temperature alone
-    "one_lambda": {"method.module.lambda_blocks": "one"},
+    "one_lambda": {"method.module.variant.lambda_blocks": "one"},
     "no_shrinkage": {"method.module.token_weight_decay": 0.0},
     "sign_entries": {"method.module.token_step": "sign"},
     "token_scales": {"method.module.token_scale": True},

@@ -172,7 +172,8 @@ def tiny_calm_stop(tiny_loaded):
         switches = dict(
             inner_steps=2, lower_lr=1e-2, upper_lr=0.3, warmup_ratio=0.0,
             inner_optimizer="adam", surrogate={"schedule": "amortized", "steps": 1},
-            value_function="joint", lambda_blocks="per_block", head_step="sign",
+            variant={"value_function": "joint", "lambda_blocks": "per_block",
+                     "head_step": "sign"},
         )  # fmt: skip
         return cls(CalibratedLM(lm, head), tiny_loaded.tokenizer, **{**switches, **options})
 

@@ -159,3 +159,14 @@ def test_joint_surrogate_survives_a_checkpoint(tiny_calm_stop, fit_on_demo, tmp_
     restored.on_load_checkpoint(checkpoint)
     for a, b in zip(module.persistent.tensors, restored.persistent.tensors, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_variant_switches_are_one_checked_block(tiny_calm_stop):
+    """The research switches live in `method.module.variant`: a misspelt switch is refused
+    naming the allowed ones, a missing one keeps the paper's form."""
+    from calm_lightning.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"variant=.*unknown keys \['head_stepp'\]"):
+        tiny_calm_stop(variant={"head_stepp": "sign"})
+    module = tiny_calm_stop(variant={"lambda_blocks": "per_block"})
+    assert module.per_block_lambda and not module.joint_value and module.head_step == "adamw"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -67,6 +68,31 @@ SCHEDULES = ("per_step", "amortized")
 VALUE_FUNCTIONS = ("lower", "joint")  # v = min over theta' of g | min over (theta', alpha')
 LAMBDA_BLOCKS = ("one", "per_block")  # one lambda over (theta, alpha) | one per block
 HEAD_STEPS = ("adamw", "sign")  # the head's optimizer: AdamW | sign descent (AdamW, betas 0)
+VARIANT_KEYS = ("value_function", "lambda_blocks", "head_step")
+
+
+@dataclass(frozen=True)
+class CALMVariant:
+    """The research switches beyond the paper, in one place (`method.module.variant`; the
+    defaults are the paper's form, `method=calm_stop` sets all three; docs/calm.md, "CALM with a
+    stopping point"): `value_function` joint minimises the value function over the head too
+    (the head's residual gradient is the training cross-entropy's slope), `lambda_blocks`
+    per_block takes one lambda for the adapters and one per head block, `head_step` sign steps
+    the head by sign descent (AdamW with betas 0: each entry moves by the scheduled LR towards
+    where its direction changes sign, with no momentum to carry it past). A new switch is a
+    field here and a key in calm.yaml's `variant`, not another constructor argument."""
+
+    value_function: str = "lower"
+    lambda_blocks: str = "one"
+    head_step: str = "adamw"
+
+    @property
+    def joint_value(self) -> bool:
+        return self.value_function == "joint"
+
+    @property
+    def per_block_lambda(self) -> bool:
+        return self.lambda_blocks == "per_block"
 
 
 # The direction is written into .grad by hand; fp16 loss scaling would unscale gradients that
@@ -98,9 +124,10 @@ class CALM(TrainingMethod):
         "surrogate.schedule": OneOf(SCHEDULES, required=True),
         "surrogate.steps": Number(minimum=1, integer=True),
         "residual_dropout": OneOf((True, False)),
-        "value_function": OneOf(VALUE_FUNCTIONS),
-        "lambda_blocks": OneOf(LAMBDA_BLOCKS),
-        "head_step": OneOf(HEAD_STEPS),
+        "variant": Keys(VARIANT_KEYS),
+        "variant.value_function": OneOf(VALUE_FUNCTIONS),
+        "variant.lambda_blocks": OneOf(LAMBDA_BLOCKS),
+        "variant.head_step": OneOf(HEAD_STEPS),
     }
 
     def __init__(
@@ -117,21 +144,15 @@ class CALM(TrainingMethod):
         inner_optimizer: str | None = None,
         surrogate: dict | None = None,
         residual_dropout: bool = False,
-        value_function: str = "lower",
-        lambda_blocks: str = "one",
-        head_step: str = "adamw",
+        variant: dict | None = None,
         **kwargs,
     ) -> None:
         """`surrogate`: {schedule: per_step | amortized, steps: m inner steps per outer step
         (amortized)}. The schedule and the inner optimizer have no default here: their one
         default is `conf/method/calm.yaml`'s. `residual_dropout`: whether the lower-level
         passes that form q run with the adapters' dropout (off: q is not dropout noise).
-        `value_function`, `lambda_blocks`, `head_step`: the stopping-point variant's switches
-        (`method=calm_stop`; the defaults are the paper's form): `joint` minimises the value
-        function over the head too, `per_block` takes one lambda for the adapters and one for
-        the head, `sign` steps the head by sign descent (AdamW with betas 0: each entry moves by
-        the scheduled LR towards where its direction changes sign, with no momentum to carry
-        it past). `kwargs`: warmup_ratio, min_lr_ratio, betas, weight_decay (TrainingMethod)
+        `variant`: the switches beyond the paper (`CALMVariant`; missing keys keep the paper's
+        form). `kwargs`: warmup_ratio, min_lr_ratio, betas, weight_decay (TrainingMethod)
         and the shared evaluation options."""
         super().__init__(model, tokenizer, **kwargs)
         self.check_arguments(
@@ -145,9 +166,7 @@ class CALM(TrainingMethod):
             inner_optimizer=inner_optimizer,
             surrogate=surrogate,
             residual_dropout=residual_dropout,
-            value_function=value_function,
-            lambda_blocks=lambda_blocks,
-            head_step=head_step,
+            variant=variant,
         )
         if model.head is None:
             raise ConfigError("CALM needs a logit-adjustment head: set method.head (vector|scalar)")
@@ -165,9 +184,10 @@ class CALM(TrainingMethod):
         self.clamp = float(clamp)
         self.upper_objective = upper_objective
         self.residual_dropout = bool(residual_dropout)
-        self.joint_value = value_function == "joint"
-        self.per_block_lambda = lambda_blocks == "per_block"
-        self.head_step = head_step
+        self.variant = CALMVariant(**dict(variant or {}))
+        self.joint_value = self.variant.joint_value
+        self.per_block_lambda = self.variant.per_block_lambda
+        self.head_step = self.variant.head_step
         # Resolved from the data in on_fit_start; these defaults serve direct (test) use.
         self.lower_mode = "vocab"
         # The amortized schedule's persistent theta~ (training state: goes into checkpoints).
