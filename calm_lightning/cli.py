@@ -3,8 +3,8 @@ command line.
 
 `run` hands the rest of its command line to the Hydra app unchanged (`group=option key=value`,
 `--multirun`, Hydra's `--help`). The other commands are argparse subcommands: the module that
-does the work (report.py, plan.py, export.py, retention.py, acceptance.py) adds its arguments
-(`add_arguments(parser)`) and runs them (`command(args, parser)`); `python -m
+does the work (report.py, plan.py, preflight.py, export.py, retention.py, acceptance.py) adds
+its arguments (`add_arguments(parser)`) and runs them (`command(args, parser)`); `python -m
 calm_lightning.<module>` runs the same code. A user error (a `CalmLightningError`) prints its
 message without a traceback and exits 1, whichever command raised it. What the commands
 share (argument readers, `command_main`, `invoke`) lives in arguments.py, which the commands
@@ -39,6 +39,9 @@ COMMANDS = {
     ),
     "plan": Command(
         "calm_lightning.plan", "a sweep's jobs and their estimated cost, before it runs"
+    ),
+    "preflight": Command(
+        "calm_lightning.preflight", "every job of a sweep checked before submitting (no GPU)"
     ),
     "export": Command("calm_lightning.export", "a finished run as a Hugging Face model folder"),
     "retention": Command(

@@ -19,7 +19,7 @@ from calm_lightning.cli import COMMANDS, build_parser, main
 from calm_lightning.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBCOMMANDS = ("run", "report", "plan", "export", "retention", "check")
+SUBCOMMANDS = ("run", "report", "plan", "preflight", "export", "retention", "check")
 
 
 @pytest.mark.parametrize(
