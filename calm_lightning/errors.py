@@ -17,6 +17,18 @@ class DataFormatError(CalmLightningError):
     """A data file is empty or a row does not match the expected schema."""
 
 
+class DataSizeError(DataFormatError):
+    """A split asks for more rows than its data holds; the facts ride along for a report."""
+
+    def __init__(self, message: str, split: str, source: str, available: int, asked: int):
+        super().__init__(message)
+        self.split, self.source = split, source
+        self.available, self.asked = available, asked
+
+    def __reduce__(self):  # picklable across processes, though __init__ takes more than args
+        return type(self), (str(self), self.split, self.source, self.available, self.asked)
+
+
 class ConfigError(CalmLightningError):
     """A config value is invalid in a way Hydra cannot detect by itself."""
 

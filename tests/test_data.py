@@ -3,11 +3,13 @@ response-only labels and truncation accounting for training)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
 import torch
 
+from calm_lightning.data import files
 from calm_lightning.data.collate import IGNORE_INDEX, InstructionCollator, MCQACollator
 from calm_lightning.data.datamodule import as_training_example
 from calm_lightning.data.records import InstructionRecord, MCQARecord
@@ -74,7 +76,7 @@ def test_instruction_rows_and_unknown_inputs(tmp_path):
         ],
     )
     records = LocalFileSource("instruction", [str(path)]).load()
-    assert records[1] == InstructionRecord("Add.", "2 and 3", "5", f"{path}:2")
+    assert records[1] == InstructionRecord("Add.", "2 and 3", "5", "i.jsonl:2")
     bad = _jsonl(tmp_path / "j.jsonl", [{"instruction": "x", "input": ""}])
     with pytest.raises(DataFormatError, match="line 1: missing field 'output'"):
         load_records("instruction", [bad])
@@ -83,6 +85,27 @@ def test_instruction_rows_and_unknown_inputs(tmp_path):
         load_records("mcqa", [tmp_path / "x.txt"])
     with pytest.raises(ConfigError, match="not one of"):
         load_records("essay", [path])
+
+
+def test_data_files_are_recorded_by_name_and_content_hash(tmp_path, monkeypatch):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    first = _jsonl(tmp_path / "one" / "a.jsonl", [GOOD])
+    second = _jsonl(tmp_path / "two" / "a.jsonl", [GOOD, dict(GOOD, question="3 + 3 = ?")])
+    source = LocalFileSource("mcqa", [str(first), str(second)])
+    # Id-less rows are named by file name and line; a name two files share gets its position.
+    assert [r.id for r in source.load()] == ["a.jsonl#1:1", "a.jsonl#2:1", "a.jsonl#2:2"]
+    digest = [hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in (first, second)]
+    summary = source.describe()
+    assert summary["files"] == [{"name": "a.jsonl", "sha256": d} for d in digest]
+    assert digest[0] != digest[1] and str(tmp_path) not in json.dumps(summary)
+    hashed = []
+    sha256 = hashlib.sha256
+    monkeypatch.setattr(files.hashlib, "sha256", lambda: hashed.append(1) or sha256())
+    assert files.content_hash(first) == digest[0] and not hashed  # once per file version
+    _jsonl(first, [dict(GOOD, question="20 + 30 = ?")])  # another size: a new version
+    assert files.content_hash(first) == sha256(first.read_bytes()).hexdigest()[:16]
+    assert len(hashed) == 1
 
 
 def test_mcqa_collator_left_pads(tokenizer):

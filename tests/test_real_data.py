@@ -4,6 +4,7 @@ the settings' loaders, the offline message, and base runs of `ood` / `id` on the
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from calm_lightning.data.alpaca import AlpacaSource
 from calm_lightning.data.collate import IGNORE_INDEX
 from calm_lightning.data.mcqa import MCQASource, SourceSpec, read_source
 from calm_lightning.data.openqa import OpenQASource
-from calm_lightning.errors import DataFormatError, DataUnavailableError
+from calm_lightning.errors import DataFormatError, DataSizeError, DataUnavailableError
 from calm_lightning.evaluation.scorers import scorer_from_config
 from calm_lightning.pipeline import build_datamodule, run_experiment
 
@@ -50,6 +51,7 @@ def test_mmlu_and_medmcqa_normalise_and_count_skips():
     assert first.question == "Which number is 2 more than 4?"
     assert first.choices == ("6", "7", "5", "2") and first.answer == 0
     assert first.source == "mmlu" and first.subject == "elementary_mathematics"
+    assert first.id == "mmlu-mmlu.jsonl-1"  # MMLU has no ids: file name and line, no directory
     records, stats = read_source(SourceSpec("medmcqa", "x", files=[MCQA_FILES["medmcqa"]]))
     assert len(records) == 6 and stats.skipped == {"unlabelled (cop = -1, the hub's test split)": 1}
     assert records[0].choices == ("Kidney", "Stomach", "Lung", "Skin") and records[0].answer == 0
@@ -136,11 +138,19 @@ def test_alpaca_splits_follow_the_paper_order():
     test_records = test.load()
     assert [r.id for r in train] == [f"alpaca-{i}" for i in range(8)]
     assert [r.id for r in heldout] == [f"alpaca-{i}" for i in range(8, 11)]
-    assert [r.id for r in test_records] == ["alpaca-12", "alpaca-13"]  # the last usable rows
-    assert test.describe()["skipped"] == {"empty instruction or output": 1}
+    # The last 2 raw rows (13, 14); row 14 has an empty output and is dropped, not replaced.
+    assert [r.id for r in test_records] == ["alpaca-13"]
+    assert test.describe()["skipped"] == {"empty output": 1}
+    assert test.describe()["blocks"]["test"] == {
+        "raw_rows": [13, 15],
+        "kept": 1,
+        "dropped": {"empty output": 1},
+    }
     assert train[1].input == "" and train[0].input == "the numbers 0 and 3"
-    with pytest.raises(DataFormatError, match="usable rows but the splits ask for"):
+    with pytest.raises(DataSizeError) as err:
         AlpacaSource("train", files=kwargs["files"]).load()  # paper sizes need 52,002 rows
+    assert (err.value.split, err.value.available, err.value.asked) == ("train", 15, 48002)
+    assert err.value.source == "alpaca.jsonl" and "train_size" in str(err.value)
 
 
 def test_open_qa_sources_normalise_aliases_and_split():
@@ -157,6 +167,14 @@ def test_open_qa_sources_normalise_aliases_and_split():
         "triviaqa", "eval", files=[str(HUB / "triviaqa.jsonl")], eval_size=3, heldout_size=3
     ).load()
     assert trivia[0].answers == ("Green", "green colour", "green")  # value first, deduplicated
+    popqa = HUB / "popqa.jsonl"
+    source = OpenQASource("popqa", "eval", files=[str(popqa)], eval_size=10, heldout_size=3)
+    with pytest.raises(DataSizeError) as err:  # 12 usable questions: 2 left for held-out
+        source.load()
+    assert (err.value.split, err.value.available, err.value.asked) == ("heldout", 2, 3)
+    assert err.value.source == "popqa.jsonl" and str(HUB) not in str(err.value)
+    digest = hashlib.sha256(popqa.read_bytes()).hexdigest()[:16]
+    assert source.describe()["origin"] == [{"name": "popqa.jsonl", "sha256": digest}]
 
 
 # ----- settings -----

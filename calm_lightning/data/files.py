@@ -3,13 +3,48 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from calm_lightning.errors import DataFormatError
 
 FORMATS = {".json": "json", ".jsonl": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
+HASH_CHARS = 16  # of the sha256's hex digest: enough to tell two files apart, short to read
+_CHUNK = 1 << 20
+_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def content_hash(path: str | Path) -> str:
+    """The first HASH_CHARS hex digits of the file's sha256, read in chunks; computed once per
+    process for each (path, mtime, size), so a large file read by several splits costs one pass."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    if key not in _HASHES:
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+        _HASHES[key] = digest.hexdigest()[:HASH_CHARS]
+    return _HASHES[key]
+
+
+def describe_file(path: str | Path) -> dict:
+    """A data file as a run records it: its name and content hash, never its directory (a path
+    of one machine says nothing elsewhere; the hash says whether two runs read the same data)."""
+    path = Path(path)
+    return {"name": path.name, "sha256": content_hash(path) if path.is_file() else None}
+
+
+def file_labels(paths: Sequence[str | Path]) -> list[str]:
+    """How record ids name each file: its name, with `#<position>` added to a name that two of
+    `paths` share (so ids stay unique without naming any directory)."""
+    names = [Path(p).name for p in paths]
+    shared = {n for n, count in Counter(names).items() if count > 1}
+    return [f"{n}#{i}" if n in shared else n for i, n in enumerate(names, start=1)]
 
 
 def read_rows(path: str | Path) -> Iterator[tuple[int, dict]]:

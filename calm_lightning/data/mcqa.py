@@ -14,10 +14,10 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from calm_lightning.data.files import read_rows
+from calm_lightning.data.files import describe_file, file_labels, read_rows
 from calm_lightning.data.hub import hub_rows
 from calm_lightning.data.records import N_OPTIONS, MCQARecord
-from calm_lightning.errors import ConfigError, DataFormatError
+from calm_lightning.errors import ConfigError, DataFormatError, DataSizeError
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,13 @@ class SourceSpec:
     splits: list[str] = field(default_factory=list)
     files: list[str] | None = None
 
+    @property
+    def origin(self) -> str:
+        """Where the rows come from, as messages name it: the files' names, or the hub's."""
+        if self.files:
+            return ", ".join(file_labels(self.files))
+        return f"{self.hub_id}:{self.config or '-'}:{'+'.join(self.splits)}"
+
 
 @dataclass
 class SourceStats:
@@ -159,7 +166,7 @@ def read_source(spec: SourceSpec) -> tuple[list[MCQARecord], SourceStats]:
     stats = SourceStats()
     records: list[MCQARecord] = []
     seen: set[str] = set()
-    for origin, line, row in _rows(spec):
+    for origin, label, line, row in _rows(spec):
         stats.rows += 1
         where = f"{origin}, row {line}"
         try:
@@ -177,7 +184,7 @@ def read_source(spec: SourceSpec) -> tuple[list[MCQARecord], SourceStats]:
         source_id = row.get("id") or row.get("question_id")
         records.append(
             MCQARecord(
-                id=f"{spec.name}-{source_id if source_id else f'{origin}-{line}'}",
+                id=f"{spec.name}-{source_id if source_id else f'{label}-{line}'}",
                 question=item["question"],
                 choices=tuple(item["choices"]),
                 answer=item["answer"],
@@ -189,16 +196,18 @@ def read_source(spec: SourceSpec) -> tuple[list[MCQARecord], SourceStats]:
     return records, stats
 
 
-def _rows(spec: SourceSpec) -> Iterable[tuple[str, int, dict]]:
+def _rows(spec: SourceSpec) -> Iterable[tuple[str, str, int, dict]]:
+    """(where errors point, how an id-less row's id names its origin, line, row): a file's
+    path for errors, its name for ids (ids must not change when the data moves)."""
     if spec.files:
-        for path in spec.files:
+        for path, label in zip(spec.files, file_labels(spec.files), strict=True):
             for line, row in read_rows(path):
-                yield str(path), line, row
+                yield str(path), label, line, row
         return
     for split in spec.splits:
         option = f"setting.<split>.sources.{spec.name}.files"
         for line, row in hub_rows(spec.hub_id, spec.config, split, option):
-            yield f"{spec.hub_id}[{split}]", line, row
+            yield f"{spec.hub_id}[{split}]", f"{spec.hub_id}[{split}]", line, row
 
 
 def carve_splits(
@@ -209,6 +218,7 @@ def carve_splits(
     Each source is shuffled with its own seeded generator, the sources are interleaved one
     record at a time (so every split mixes all sources evenly while they last), and the
     splits take consecutive blocks of that order. Same pools + sizes + seed = same splits.
+    A block the pool cannot fill comes out short (MCQASource.load says so).
     """
     shuffled = []
     for name in sorted(pools):
@@ -220,8 +230,6 @@ def carve_splits(
     for split in SPLITS:
         size = int(sizes.get(split, 0))
         out[split] = order[start : start + size]
-        if len(out[split]) < size:
-            log.warning("MCQA %s split: only %d of %d records left", split, len(out[split]), size)
         start += size
     return out
 
@@ -248,7 +256,10 @@ class MCQASource:
         seed: int = 0,
         limit: int | None = None,
         name: str = "mcqa",
+        allow_fewer: bool = False,
     ) -> None:
+        """`allow_fewer`: a split may hold fewer questions than its size (a pool that takes what
+        its source has); otherwise a short split raises DataSizeError."""
         if split not in SPLITS:
             raise ConfigError(f"MCQA split {split!r} is not one of {', '.join(SPLITS)}")
         if not sources:
@@ -268,6 +279,7 @@ class MCQASource:
         self.seed = int(seed)
         self.limit = limit
         self.name = f"{name}_{split}"
+        self.allow_fewer = bool(allow_fewer)
         self.stats: dict[str, SourceStats] = {}
 
     def _key(self) -> tuple:
@@ -294,14 +306,48 @@ class MCQASource:
             _POOL_CACHE[key] = (carve_splits(pools, self.sizes, self.seed), stats)
         splits, self.stats = _POOL_CACHE[key]
         records = splits[self.split]
+        asked = self.sizes.get(self.split, 0)
+        asked = min(asked, int(self.limit)) if self.limit else asked
+        if len(records) < asked:
+            self._short(len(records), asked)
         return records[: self.limit] if self.limit else records
 
+    def _short(self, available: int, asked: int) -> None:
+        """A split the pool cannot fill: an error naming the split, the sources, the rows
+        available and asked, and each source's drops (or a log line under allow_fewer)."""
+        if self.allow_fewer:
+            log.info("MCQA %s split: %d of at most %d questions", self.split, available, asked)
+            return
+        before = SPLITS[: SPLITS.index(self.split)]
+        taken = " + ".join(f"{self.sizes.get(s, 0)} {s}" for s in before)
+        pool = sum(st.kept for st in self.stats.values())
+        per_source = "; ".join(
+            f"{spec.name} ({spec.origin}): {st.rows} rows, {st.kept} kept"
+            + (f", {st.duplicates} duplicates" if st.duplicates else "")
+            + (f", dropped {dict(st.skipped)}" if st.skipped else "")
+            for spec, st in ((spec, self.stats[spec.name]) for spec in self.specs)
+        )
+        sources = ", ".join(f"{spec.name} ({spec.origin})" for spec in self.specs)
+        raise DataSizeError(
+            f"MCQA split '{self.split}' asks for {asked} questions but {available} are "
+            f"available: the pool holds {pool} usable questions"
+            + (f", of which {taken} come first" if taken else "")
+            + f". Sources: {per_source}. Lower sizes.{self.split} (setting.test.sizes.* under "
+            "setting=ood, setting.train.sizes.* under setting=id) or give more data.",
+            split=self.split,
+            source=sources,
+            available=available,
+            asked=asked,
+        )
+
     def describe(self) -> dict:
+        """The source for data_summary.json: files by name and content hash (hub data by id),
+        the sizes asked, and each source's rows, kept, duplicates and drops by reason."""
         return {
             "name": self.name,
             "kind": self.kind,
             "sources": {
-                s.name: (s.files or f"{s.hub_id}:{s.config or '-'}:{'+'.join(s.splits)}")
+                s.name: [describe_file(f) for f in s.files] if s.files else s.origin
                 for s in self.specs
             },
             "sizes": self.sizes,

@@ -9,10 +9,10 @@ import logging
 import random
 from collections import Counter
 
-from calm_lightning.data.files import read_rows
+from calm_lightning.data.files import describe_file, file_labels, read_rows
 from calm_lightning.data.hub import hub_rows
 from calm_lightning.data.records import OpenQARecord, required_text
-from calm_lightning.errors import ConfigError, DataFormatError
+from calm_lightning.errors import ConfigError, DataFormatError, DataSizeError
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "heldout", "eval")
@@ -138,15 +138,35 @@ class OpenQASource:
             for number, row in hub_rows(self.hub_id, self.config, split, "setting.<split>.files"):
                 yield f"{self.hub_id}[{split}], row {number}", row
 
+    def _origin(self) -> str:
+        if self.files:
+            return ", ".join(file_labels(self.files))
+        return f"{self.hub_id}:{self.config or '-'}:{'+'.join(self.hub_splits)}"
+
+    def _check_room(self, pool: int) -> None:
+        """Eval and held-out come first; the training split must keep at least one question."""
+        n_eval, n_heldout = self.sizes["eval"], self.sizes["heldout"]
+        room = {"eval": (pool, n_eval), "heldout": (pool - n_eval, n_heldout)}
+        room["train"] = (pool - n_eval - n_heldout, 1)
+        for split in ("eval", "heldout", "train"):
+            available, asked = max(room[split][0], 0), room[split][1]
+            if available < asked:
+                raise DataSizeError(
+                    f"{self.dataset} split '{split}': {available} questions available, {asked} "
+                    f"asked ({self._origin()} has {pool} usable questions, too few for eval "
+                    f"{n_eval} + held-out {n_heldout} + a training split; skipped "
+                    f"{dict(self.skipped)}); lower eval_size / heldout_size",
+                    split=split,
+                    source=self._origin(),
+                    available=available,
+                    asked=asked,
+                )
+
     def load(self) -> list[OpenQARecord]:
         pool = list(self._pool())
         random.Random(f"{self.seed}-{self.dataset}").shuffle(pool)
+        self._check_room(len(pool))
         n_eval, n_heldout = self.sizes["eval"], self.sizes["heldout"]
-        if n_eval + n_heldout >= len(pool):
-            raise DataFormatError(
-                f"{self.dataset} has {len(pool)} usable questions, too few for eval {n_eval} + "
-                f"held-out {n_heldout} + a training split; lower eval_size / heldout_size"
-            )
         train = pool[n_eval + n_heldout :]
         if self.sizes["train"] is not None:
             train = train[: self.sizes["train"]]
@@ -158,7 +178,7 @@ class OpenQASource:
         return chosen[: self.limit] if self.limit else chosen
 
     def describe(self) -> dict:
-        origin = self.files or f"{self.hub_id}:{self.config or '-'}:{'+'.join(self.hub_splits)}"
+        origin = [describe_file(f) for f in self.files] if self.files else self._origin()
         return {
             "name": self.name,
             "kind": self.kind,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from calm_lightning.errors import DataFormatError
 
@@ -52,6 +53,12 @@ def _where(path: str, line: int) -> str:
     return f"{path}, line {line}"
 
 
+def _row_id(row: dict, path: str, line: int, name: str | None) -> str:
+    """The row's own id, else `<file name>:<line>`: the directory stays out, so a prediction
+    id (and the base cache's key) does not change when the data moves."""
+    return str(row.get("id") or f"{name or Path(path).name}:{line}")
+
+
 def required_text(row: dict, field: str, where: str) -> str:
     """`row[field]` as given, after checking that it is there and is non-empty text."""
     if field not in row:
@@ -62,8 +69,11 @@ def required_text(row: dict, field: str, where: str) -> str:
     return value
 
 
-def mcqa_from_row(row: dict, path: str, line: int, n_options: int = N_OPTIONS) -> MCQARecord:
-    """Validate a row in the project's MCQA schema; errors name the file, line and field."""
+def mcqa_from_row(
+    row: dict, path: str, line: int, n_options: int = N_OPTIONS, name: str | None = None
+) -> MCQARecord:
+    """Validate a row in the project's MCQA schema; errors name the file, line and field.
+    `name`: how an id-less row's id names the file (default: its name)."""
     where = _where(path, line)
     for field in ("question", "choices", "answer"):
         if field not in row:
@@ -85,7 +95,7 @@ def mcqa_from_row(row: dict, path: str, line: int, n_options: int = N_OPTIONS) -
     if not 0 <= answer < n_options:
         raise DataFormatError(f"{where}: field 'answer'={answer} is outside 0..{n_options - 1}")
     return MCQARecord(
-        id=str(row.get("id") or f"{path}:{line}"),
+        id=_row_id(row, path, line, name),
         question=question,
         choices=tuple(choices),
         answer=answer,
@@ -95,7 +105,9 @@ def mcqa_from_row(row: dict, path: str, line: int, n_options: int = N_OPTIONS) -
     )
 
 
-def instruction_from_row(row: dict, path: str, line: int) -> InstructionRecord:
+def instruction_from_row(
+    row: dict, path: str, line: int, name: str | None = None
+) -> InstructionRecord:
     """Validate a row in Alpaca's schema (`instruction`, `input`, `output`)."""
     where = _where(path, line)
     for field in ("instruction", "output"):
@@ -107,11 +119,11 @@ def instruction_from_row(row: dict, path: str, line: int) -> InstructionRecord:
         instruction=row["instruction"],
         input=extra,
         output=row["output"],
-        id=str(row.get("id") or f"{path}:{line}"),
+        id=_row_id(row, path, line, name),
     )
 
 
-def openqa_from_row(row: dict, path: str, line: int) -> OpenQARecord:
+def openqa_from_row(row: dict, path: str, line: int, name: str | None = None) -> OpenQARecord:
     """Validate a row in the project's open-QA schema: `question` and `answers` (a list of
     gold aliases, the first being the training target; a JSON-encoded list is accepted)."""
     where = _where(path, line)
@@ -133,7 +145,7 @@ def openqa_from_row(row: dict, path: str, line: int) -> OpenQARecord:
     if not answers:
         raise DataFormatError(f"{where}: field 'answers' holds no gold answer")
     return OpenQARecord(
-        id=str(row.get("id") or f"{path}:{line}"),
+        id=_row_id(row, path, line, name),
         question=question.strip(),
         answers=tuple(answers),
         source=str(row.get("source", "")),

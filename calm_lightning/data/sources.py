@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from calm_lightning.data.files import read_rows
+from calm_lightning.data.files import describe_file, file_labels, read_rows
 from calm_lightning.data.records import (
     InstructionRecord,
     MCQARecord,
@@ -32,8 +32,8 @@ def load_records(kind: str, files: Sequence[str | Path]) -> list[Record]:
         raise ConfigError(f"data kind {kind!r} is not one of {', '.join(KINDS)}")
     parse = PARSERS[kind]
     records = []
-    for path in files:
-        records.extend(parse(row, str(path), line) for line, row in read_rows(path))
+    for path, label in zip(files, file_labels(files), strict=True):
+        records.extend(parse(row, str(path), line, name=label) for line, row in read_rows(path))
     return records
 
 
@@ -55,7 +55,11 @@ class LocalFileSource:
         return records[: self.limit] if self.limit else records
 
     def describe(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "files": [str(f) for f in self.files]}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "files": [describe_file(f) for f in self.files],
+        }
 
 
 class EmbeddedDemoSource(LocalFileSource):

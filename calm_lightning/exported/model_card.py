@@ -367,7 +367,9 @@ def _without_paths(node):
 
 def _names(files):
     if isinstance(files, (list, tuple)):
-        return [Path(str(f)).name for f in files]
+        return [_names(f) for f in files]
+    if isinstance(files, dict):  # a file as data sources record it: name and content hash
+        return _without_paths(files)
     return Path(str(files)).name if files else files
 
 

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from calm_lightning.errors import (
     CalmLightningError,
+    DataSizeError,
     DataUnavailableError,
     ModelUnavailableError,
 )
@@ -142,24 +143,16 @@ def _sources(cfg) -> dict:
 
 def check_data(cfg, memo: Memo) -> list[Check]:
     """Each split loads at its configured size (rows available, dropped and why), and the
-    splits read from one pool share no record."""
-    from calm_lightning.planning.jobs import split_rows
-
+    splits read from one pool share no record. A split's size is the loaders' to judge: they
+    raise DataSizeError for a real shortfall (rows they drop, such as Alpaca's empty outputs,
+    are counted, not a shortfall)."""
     rows, loaded = [], {}
     for split in SPLITS:
         node = cfg.setting.get(split)
         if node is None:
             continue
-        result = memo.get("data:" + _key(node), lambda n=node, s=split: _load_split(n, s))
-        check, ids = result
+        check, ids = memo.get("data:" + _key(node), lambda n=node, s=split: _load_split(n, s))
         rows.append(check)
-        asked = split_rows(node)
-        if ids is not None and asked is not None and len(ids) < asked:
-            rows[-1] = Check(
-                check.name,
-                FAIL,
-                f"{len(ids)} rows available, {asked} asked (setting.{split}); {check.detail}",
-            )
         if ids is not None:
             loaded[split] = ids
     rows.append(_disjoint(loaded))
@@ -176,6 +169,12 @@ def _load_split(node, split: str) -> tuple[Check, list[str] | None]:
         described = source.describe() if hasattr(source, "describe") else {}
     except UNAVAILABLE as err:
         return Check(name, SKIP, f"offline or not cached: {_first_line(err)}"), None
+    except DataSizeError as err:
+        detail = (
+            f"split {err.split} of {err.source}: {err.available} rows available, {err.asked} "
+            f"asked ({_first_line(err)})"
+        )
+        return Check(name, FAIL, detail), None
     except CalmLightningError as err:
         return Check(name, FAIL, _first_line(err)), None
     skipped = _skipped(described)
