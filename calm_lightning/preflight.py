@@ -55,10 +55,15 @@ def command(args, parser) -> int:
         own = " ".join(o for o in report.overrides if o not in common)
         print(f"| {index} | " + " | ".join(cells) + f" | {own} |")
     print()
+    # Each reason once, with the jobs it holds for (a sweep repeats them job after job).
+    reasons: dict[tuple[str, str, str], list[int]] = {}
     for index, report in enumerate(reports):
         for check in report.checks:
             if check.status != "PASS":
-                print(f"#{index} {check.name} {check.status}: {check.detail}")
+                reasons.setdefault((check.status, check.name, check.detail), []).append(index)
+    order = {"FAIL": 0, "WARN": 1, "SKIP": 2}
+    for (status, name, detail), jobs in sorted(reasons.items(), key=lambda r: order[r[0][0]]):
+        print(f"{status} {name} (jobs {_ranges(jobs)}): {detail}")
     failed = [i for i, r in enumerate(reports) if r.failed]
     if args.json:
         Path(args.json).write_text(json.dumps(record(reports), indent=2) + "\n")
@@ -68,6 +73,18 @@ def command(args, parser) -> int:
         return 1
     print(f"\nno job FAILs ({len(reports)} checked)")
     return 0
+
+
+def _ranges(indices: list[int]) -> str:
+    """0, 1, 2, 5 -> '#0-2, #5'."""
+    parts, start = [], None
+    for i, index in enumerate(indices):
+        if start is None:
+            start = index
+        if i + 1 == len(indices) or indices[i + 1] != index + 1:
+            parts.append(f"#{start}" if start == index else f"#{start}-{index}")
+            start = None
+    return ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
