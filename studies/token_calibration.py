@@ -129,6 +129,18 @@ OOD_PREDICTION = (
     "cc_ts and vs do not run there: they fit on labelled held-out questions, which demo lacks."
 )
 OOD_SKIPPED = ("cc_ts", "vs")  # refused by the methods themselves in setting=demo
+# Written after the runs (issue 57), kept in the results file's `note` beside its records.
+NOTE = (
+    "Added after the runs (issue 57): the falsification rule was unpassable by construction. "
+    "For the head to count as adding something, calm_token had to beat cc_ts on NLL and on "
+    "accuracy outside the interval in 2 of 3 seeds and recover the shift with slope >= 0.5; the "
+    "exact inverse (oracle) itself loses to cc_ts on NLL in the key cell (k = 4, b = 32, "
+    "demo_id, 3 seeds: 1.533 against 1.253), because cc_ts also corrects the clean model's own "
+    "miscalibration. The rule's outcome rests on the recovery-slope branch alone. That slope is "
+    "measured against b/k; at the learned temperature d0 the bias that undoes +b is -d0 * b, "
+    "and the share of it recovered is the slope divided by k * d0 (key cell: 0.025 on average "
+    "instead of 0.015; 48 steps: 0.086 instead of 0.059)."
+)
 
 
 TOKEN_LRS = (0.3, 1.0, 3.0)  # calm_token's entry LR, chosen on the held-out split (stage select)
@@ -168,7 +180,7 @@ class Study:
     ) -> None:
         self.results, self.outputs, self.seeds = results, outputs, seeds
         self.keep_checkpoints, self.cells, self.rows = keep_checkpoints, cells, rows
-        self.records = study_runs.load(results)
+        self.records = load_records(results)
 
     def run(self, row, k, b, setting, seed, split="test", extra=None, label=None) -> dict:
         """One run of ROWS[row] (+ `extra`), recorded as method `label` (default: row)."""
@@ -193,7 +205,7 @@ class Study:
             if payload.get(extra):
                 record[extra] = payload[extra]
         self.records.append(record)
-        study_runs.save(self.results, self.records)
+        save_records(self.results, self.records)
         if not self.keep_checkpoints:  # ~0.5 GB a training run; the record holds what we read
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         return record
@@ -352,8 +364,18 @@ def bootstrap(a: dict, b: dict, metric: str) -> dict:
     return paired_bootstrap.compare(pa, pb, labels, metric=metric, resamples=2000)
 
 
+def load_records(path: Path) -> list[dict]:
+    """The study's records: the file is {"note", "records"} (a bare list before the note)."""
+    stored = study_runs.load(path)
+    return stored["records"] if isinstance(stored, dict) else stored
+
+
+def save_records(path: Path, records: list[dict]) -> None:
+    study_runs.save(path, {"note": NOTE, "records": records})
+
+
 def render(results: Path, table: Path, figure: Path) -> None:
-    records = study_runs.load(results)
+    records = load_records(results)
     if not records:
         sys.exit(f"no records in {results}")
     tokenizer, test = study_runs.tokenizer_and_test()
@@ -365,8 +387,8 @@ def render(results: Path, table: Path, figure: Path) -> None:
                                                   "chat")[1] for i in c})  # fmt: skip
     by = {(r["setting"], r["k"], r["b"], r["seed"], r["method"]): r
           for r in records if r.get("split", "test") == "test"}  # fmt: skip
-    analysis = {"falsification": FALSIFICATION, "ood_prediction": OOD_PREDICTION, "rows": [],
-                "comparisons": []}  # fmt: skip
+    analysis = {"falsification": FALSIFICATION, "ood_prediction": OOD_PREDICTION, "note": NOTE,
+                "rows": [], "comparisons": []}  # fmt: skip
     for r in records:
         row = {k: v for k, v in r.items() if k not in ("token_head", "calm_steps", "posthoc")}
         row.update({"token_head": r.get("token_head")} if r.get("token_head") else {})
@@ -421,6 +443,8 @@ def markdown(analysis: dict) -> str:
              "", "**Falsification.** " + analysis["falsification"],
              "", "**OOD negative control.** " + analysis["ood_prediction"],
              ""]  # fmt: skip
+    if analysis.get("note"):
+        lines[-1:-1] = ["", "**Note.** " + analysis["note"]]
     cells = sorted({(r.get("split", "test"), r["setting"], r["k"], r["b"]) for r in rows},
                    key=lambda c: (c[0] != "test", c[1:]))  # fmt: skip
     for split, setting, k, b in cells:

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = ROOT / "studies"
 # The studies that import the shared helpers (study_runs, paired_bootstrap) from their folder.
-SHARING = ("known_miscalibration", "token_calibration", "calm_variant")
+SHARING = ("known_miscalibration", "token_calibration", "calm_variant", "entropy_equivalence")
 
 
 def _run(name: str, *args: str, module: bool = False, timeout: int = 300) -> str:
@@ -165,3 +165,100 @@ def test_paired_bootstrap_matches_a_hand_resampled_difference(tmp_path):
     assert low < diff < high and high - low > 2 * se
     same = _run("paired_bootstrap", a, a, "--resamples", "50")
     assert "b - a  +0.0000  paired bootstrap s.e. 0.0000" in same
+
+
+def _weight_delta(run_dir: Path) -> dict:
+    """Adapted matrix -> (alpha / r) B A, formed in full (the study never forms it)."""
+    from safetensors.torch import load_file
+
+    folder = Path(run_dir) / "calibration" / "adapter"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    scale = config["lora_alpha"] / config["r"]
+    delta = {}
+    for name, a in tensors.items():
+        if ".lora_A." in name:
+            b = tensors[name.replace(".lora_A.", ".lora_B.")]
+            delta[name.split(".lora_A.")[0]] = scale * b.double() @ a.double()
+    return delta
+
+
+@pytest.mark.system  # a study's smoke run (make test-system)
+def test_entropy_equivalence_smoke_predicts_alpha_from_the_frozen_runs_lambda(tmp_path):
+    import torch
+
+    results = tmp_path / "ee.json"
+    args = ("--smoke", "--seeds", "0", "--arms", "calm_frozen", "reg_lambda",
+            "--results", str(results), "--outputs", str(tmp_path / "runs"))  # fmt: skip
+    _run("entropy_equivalence", *args, timeout=900)
+    doc = json.loads(results.read_text())
+    assert {"H1", "H2", "H3", "H4"} <= set(doc["hypotheses"])
+    assert "adapter cosine ≥ 0.9" in doc["hypotheses"]["H1"]["statement"]
+    rows = {r["arm"]: r for r in doc["rows"]}
+    assert set(rows) == {"calm_frozen", "reg_lambda"}  # no references without calm_vector
+    frozen, reg = rows["calm_frozen"], rows["reg_lambda"]
+    # lambda-bar is metrics.json's mean; the per-step series comes from the CSV log
+    assert len(frozen["lambda_t"]) == 2
+    assert frozen["lambda_mean"] == pytest.approx(sum(frozen["lambda_t"]) / 2, rel=1e-6)
+    assert frozen["head_travel"] == 0.0  # upper LR 0
+    assert reg["alpha"] == pytest.approx(1 / frozen["lambda_mean"], rel=1e-12)
+    assert reg["overrides"]["method.module.entropy_on"] == "heldout"
+    chosen = frozen["overrides"]["method.module.lower_lr"]
+    assert chosen == reg["overrides"]["method.module.lr"] and chosen in (1e-3, 1e-2)
+    assert len(doc["selection"]) == 3  # base and calm_vector at both lower LRs, held-out
+    # the adapter cosine against the full weight deltas, formed here
+    a, b = _weight_delta(frozen["run_dir"]), _weight_delta(reg["run_dir"])
+    flat_a = torch.cat([a[m].reshape(-1) for m in sorted(a)])
+    flat_b = torch.cat([b[m].reshape(-1) for m in sorted(a)])
+    cosine = float(flat_a @ flat_b / (flat_a.norm() * flat_b.norm()))
+    assert doc["adapter_cosine"]["0"] == pytest.approx(cosine, abs=1e-9)
+    pairs = {(c["a"], c["b"], c["metric"]) for c in doc["comparisons"]}
+    assert pairs == {("calm_frozen", "reg_lambda", m) for m in ("conf_ece", "nll", "accuracy")}
+    assert all(o["verdict"] == "inconclusive" and o["why"] for o in doc["outcomes"].values())
+    assert "## Outcomes" in results.with_suffix(".md").read_text()
+    assert results.with_suffix(".png").stat().st_size > 0
+    again = _run("entropy_equivalence", *args, timeout=300)  # resumable: nothing reruns
+    assert "+ calm_lightning.run" not in again
+
+
+@pytest.mark.system  # a study's render (make test-system)
+def test_entropy_equivalence_outcomes_follow_the_stated_rules(tmp_path):
+    """Hand-made rows and intervals (no run folders): each hypothesis's verdict."""
+    seeds, metrics = (0, 1, 2), ("conf_ece", "nll", "accuracy")
+    rows = [{"arm": arm, "k": 1.0, "seed": seed, "accuracy": 0.48, "nll": 1.5, "conf_ece": 0.2,
+             "head_travel": 2e-4, "run_dir": "missing"}
+            for arm in ("calm_vector", "calm_scalar", "calm_frozen", "reg_lambda", "sft",
+                        "reg_paper") for seed in seeds]  # fmt: skip
+    rows.append({"arm": "base", "k": 1.0, "seed": 0, "accuracy": 0.5, "nll": 1.5,
+                 "conf_ece": 0.25, "run_dir": "missing"})  # fmt: skip
+    comparisons = []
+
+    def interval(a, b, metric, seed, low, high):
+        comparisons.append({"k": 1.0, "seed": seed, "a": a, "b": b, "metric": metric,
+                            "value_a": 0.2, "value_b": 0.2, "difference": (low + high) / 2,
+                            "standard_error": 0.01, "ci95": [low, high]})  # fmt: skip
+
+    for seed in seeds:
+        for metric in metrics:
+            for a, b in (("calm_frozen", "reg_lambda"), ("calm_vector", "reg_lambda"),
+                         ("calm_frozen", "calm_vector")):  # fmt: skip
+                interval(a, b, metric, seed, -0.01, 0.01 if seed else -0.001)  # 0 in 2 of 3
+            # H2: NLL consistently lower for the scalar head in two seeds
+            low = -0.002 if metric == "nll" and seed < 2 else -0.01
+            interval(
+                "calm_vector", "calm_scalar", metric, seed, low, -0.001 if low > -0.01 else 0.01
+            )
+            if seed < 2:  # H4: seed 2 missing, one seed of two with 0 inside
+                interval("sft", "reg_paper", metric, seed, -0.01, 0.01 if seed == 0 else -0.005)
+        interval("ts", "calm_vector", "conf_ece", seed, -0.05, -0.01 if seed else 0.01)  # H3
+    doc = {"rows": rows, "comparisons": comparisons,
+           "adapter_cosine": {"0": 0.95, "1": 0.97, "2": 0.92}}  # fmt: skip
+    results = tmp_path / "ee.json"
+    results.write_text(json.dumps(doc))
+    _run("entropy_equivalence", "--render-only", "--results", str(results))
+    out = json.loads(results.read_text())["outcomes"]
+    assert out["H1"]["verdict"] == "held" and "min 0.920" in out["H1"]["why"]
+    assert out["H2"]["verdict"] == "falsified"
+    assert "calm_vector vs calm_scalar nll: 0 inside in 1 of 3 seeds" in out["H2"]["why"]
+    assert out["H3"]["verdict"] == "held"  # seeds 1 and 2, accuracy 0.48 >= 0.8 x 0.5
+    assert out["H4"]["verdict"] == "inconclusive" and "[2]" in out["H4"]["why"]

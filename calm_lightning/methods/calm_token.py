@@ -11,10 +11,15 @@ vector head lacked:
   the adapters' geometry decide how far 49,152 head entries move);
 * d0 by sign descent (it stops where the training cross-entropy's slope on it changes sign: the
   entropy alone never stops a temperature), the entries by AdamW at their own LR;
-* the entries' stopping point is finite: a per-token bias has a finite entropy maximiser (and a
-  finite cross-entropy minimiser), both moved by exactly -b/k by a +b distortion of logits
-  scaled by k; per-token scales have none (entropy grows as d_y -> 0), so they are off unless
-  asked for (`token_scale`);
+* per-token biases, not scales: a bias has a finite entropy maximiser (and a finite
+  cross-entropy minimiser for a token that is sometimes the target; none for a support token
+  that never is), and a +b distortion of logits scaled by k is undone at the learned temperature
+  d0 by a bias of -d0 * b (at a joint stationary point -(c*/k) b, c* the clean problem's optimal
+  scale: -b/k only when c* = 1); a per-token scale has no finite entropy
+  maximiser (entropy grows as d_y -> 0), so scales are off unless asked for (`token_scale`).
+  The entries' block has no stationary point of its own (with lambda > 0 its direction is
+  P_perp grad f + eta grad q, two orthogonal parts): the decaying LR and the weight decay end
+  their travel (docs/studies/token_calibration.md);
 * shrinkage toward the identity: the entries' own weight decay.
 """
 

@@ -130,9 +130,13 @@ class SingleLevelMethod(TrainingMethod):
         global batch's and the logged values (averaged over ranks) are its values."""
         raise NotImplementedError
 
+    def batch_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one training step's batch (a training batch, or the data module's
+        training / held-out pair): `loss` on the training part."""
+        return self.loss(batch.get("train", batch))
+
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        train = batch.get("train", batch)
-        loss, logs = self.loss(train)
+        loss, logs = self.batch_loss(batch)
         if self.non_finite_anywhere(loss=loss):
             self.fail_non_finite("loss")
         optimizer = self.optimizers()
@@ -177,23 +181,67 @@ class SingleLevelMethod(TrainingMethod):
             self.model.train(was_training)
 
 
+ENTROPY_ON = ("train", "heldout")
+
+
 class Regularization(SingleLevelMethod):
-    """L = CE(y, p) - alpha_reg * H(p): the entropy objective as a single-level penalty."""
+    """L = CE(y, p) - alpha_reg * H(p): the entropy objective as a single-level penalty.
 
-    config_rules: ClassVar[dict] = {"alpha_reg": Number(minimum=0)}
+    `entropy_on`: `train` (the paper's baseline) takes H on the training batch's predictions;
+    `heldout` on the paired held-out batch, in the mode CALM's upper level would read it
+    (`objective` resolved on the held-out split; its labels only locate the responses). With
+    alpha_reg = 1 / lambda, one step of the latter moves the adapters as one outer step of CALM
+    with its head frozen (docs/studies/entropy_equivalence.md)."""
 
-    def __init__(self, model, tokenizer=None, alpha_reg: float = 1e-5, **kwargs) -> None:
+    config_rules: ClassVar[dict] = {"alpha_reg": Number(minimum=0), "entropy_on": OneOf(ENTROPY_ON)}
+
+    def __init__(
+        self, model, tokenizer=None, alpha_reg: float = 1e-5, entropy_on: str = "train", **kwargs
+    ) -> None:
         super().__init__(model, tokenizer, **kwargs)
-        self.check_arguments(alpha_reg=alpha_reg)
+        self.check_arguments(alpha_reg=alpha_reg, entropy_on=entropy_on)
         self.alpha_reg = float(alpha_reg)
+        self.entropy_on = entropy_on
+        self.entropy_mode = VOCAB  # the held-out batch's mode, resolved in on_fit_start
 
-    def loss(self, batch):
+    @classmethod
+    def check_requirements(cls, cfg, sources: dict) -> None:
+        super().check_requirements(cfg, sources)
+        module = cfg.get("method", {}).get("module", {}) or {}
+        if module.get("entropy_on") == "heldout" and sources.get("heldout") is None:
+            raise ConfigError(
+                f"method={cfg.method.name} with method.module.entropy_on=heldout needs held-out "
+                f"data, which setting={cfg.setting.name} does not define (setting.heldout); "
+                "use entropy_on=train"
+            )
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if self.entropy_on == "heldout":
+            self.entropy_mode = self.resolve_mode(self.objective, "heldout")
+            self.set_option_ids(self.mode, self.entropy_mode)
+
+    def batch_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.entropy_on == "train":
+            return super().batch_loss(batch)
+        if "heldout" not in batch:
+            raise ConfigError(
+                "reg with entropy_on=heldout got a training batch without its held-out batch: "
+                "the setting needs held-out data (setting.heldout)"
+            )
+        return self.loss(batch["train"], heldout=batch["heldout"])
+
+    def loss(self, batch, heldout: dict | None = None):
+        """CE on `batch` minus alpha_reg times the mean entropy on `heldout` when given (in
+        `entropy_mode`), else on `batch`'s own predictions."""
         answer_ce, logits, targets, answer_tokens = self.scored_predictions(batch)
         # Letter scoring: CE of the option letters; cloze scoring: CE of the answer text, with
         # the entropy of the cloze option distribution.
         if answer_ce is None:
             answer_ce, answer_tokens = cross_entropy(logits, targets), targets.numel()
         ce = self.distributed_mean(answer_ce, answer_tokens)
+        if heldout is not None:  # CALM's upper-level inputs: its entropy pass, exactly
+            logits, _ = self.scored(heldout, self.entropy_mode)
         entropy = self.distributed_mean(mean_entropy(logits), logits.shape[0])
         return ce - self.alpha_reg * entropy, {"ce": ce.item(), "entropy": entropy.item()}
 
