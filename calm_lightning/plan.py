@@ -1,4 +1,6 @@
-"""What a sweep will launch, and what it will cost, before it runs.
+"""What a sweep will launch, and what it will cost, before it runs. A sweep script is really
+run by bash, with only its python calls recorded instead of run: its other commands (mkdir,
+its helpers, anything it calls) run as they would, so plan only a script you would run.
 
     python -m calm_lightning.plan multirun_sweeps/table1_mcqa_ood.sh model=olmo2
     python -m calm_lightning.plan +sweep=calm_ood model=olmo2 --device h200 --json plan.json
@@ -20,8 +22,12 @@ paper's Appendix C.2 read as Table 10's costs need it (docs/calm.md, "Reading of
 under `budget=full` every batch. The plan names the budget it priced and prints the total under
 each other budget (every job composed again with `budget=` swapped), so the choice is visible
 before launch. The base model's evaluation is charged once per base-cache entry
-(`planning.jobs.base_cache_key`): later jobs of a sweep read its row. The planner never imports
-torch.
+(`planning.jobs.base_cache_key`): later jobs of a sweep read its row. A job fits when its peak
+is at most the memory CUDA reports for the device (`cost_model.usable_gib`). The plan prints
+the quantization it assumed per model (`models.model_node.planned_quantization`), warns on
+unpinned Hub revisions, and gives each run call the SLURM limit and requeues its own jobs need
+(`--launcher-overrides` prints only those: what multirun_sweeps/lib.sh passes each grid). The
+planner never imports torch.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from calm_lightning.planning.jobs import Job  # noqa: F401  (the planner's job r
 from calm_lightning.planning.output import plan_record, print_plan
 from calm_lightning.planning.pricing import (  # noqa: F401  (part of the command's interface)
     budget_line,
+    job_launcher_limits,
+    launcher_limits,
+    launcher_overrides,
     other_budgets,
     slurm_suggestion,
 )
@@ -52,6 +61,11 @@ def add_arguments(parser) -> None:
         "--costs", help="json from benchmarks/calm_step.py --json on a GPU: measured utilisation"
     )
     parser.add_argument("--json", metavar="FILE", help="also write the plan here")
+    parser.add_argument(
+        "--launcher-overrides", action="store_true",
+        help="print only the hydra.launcher.timeout_min / max_num_timeout overrides the jobs "
+        "need under hydra/launcher=slurm (one line; what multirun_sweeps/lib.sh passes a grid)",
+    )  # fmt: skip
 
 
 def command(args, parser) -> int:
@@ -60,6 +74,9 @@ def command(args, parser) -> int:
     device = args.device or cost_model.default_device()
     measured = cost_model.calibrate(costs) if costs else None
     jobs = plan(args.target, args.overrides, device, costs)
+    if args.launcher_overrides:
+        print(" ".join(launcher_overrides(jobs)))
+        return 0
     others = other_budgets(jobs, device, measured)
     print(f"plan: {args.target} {shlex.join(args.overrides)}")
     print_plan(jobs, device, measured, costs, others)

@@ -24,6 +24,7 @@ from calm_lightning.evaluation.rules import EVALUATION_RULES, MODEL_EVALUATION_R
 from calm_lightning.models.calibrated_lm import HEAD_RULES
 from calm_lightning.models.loading import MODEL_RULES, check_random_model, resolve_quantization
 from calm_lightning.models.lora import PEFT_RULES
+from calm_lightning.models.model_node import model_parameters
 from calm_lightning.runtime.loggers import LOGGER_RULES
 from calm_lightning.runtime.multirun import in_multirun
 from calm_lightning.runtime.parallel import check_parallel_jobs
@@ -34,6 +35,7 @@ RUN_RULES = {
     "seed": Number(integer=True, required=True),
     "ckpt_path": Text(optional=True),
     "oversubscribe_gpus": Flag(),
+    "allow_shared_folder": Flag(),
 }
 # The `method` group's keys besides `module` and `head`: `epochs` for the methods that train.
 METHOD_RULES = {
@@ -70,6 +72,7 @@ def validate_config(cfg, method_cls, sources: dict) -> None:
             continue
         check_values(node, values, rules)
     method_cls.check_requirements(cfg, sources)
+    check_quantization(cfg)
     check_strategy(cfg)
     check_parallel_jobs(cfg)
     if cfg.model.get("source") == "tiny":
@@ -86,12 +89,31 @@ def _plain(cfg, node: str, rules: dict):
     return OmegaConf.to_container(value, resolve=True) if value is not None else {}
 
 
+def check_quantization(cfg) -> None:
+    """The loader's quantization refusals, said before anything loads: `nf4` without CUDA or
+    bitsandbytes, and `auto` on CUDA without bitsandbytes for a model of 3B parameters or more
+    (its size from its shape, models/model_node.py; a model of no known shape is counted from
+    its config.json by the loader, still before its weights load)."""
+    for key in ("model", "reference_model"):
+        node = _plain(cfg, key, {})
+        if node.get("name") in (None, "none") or (
+            node.get("source") == "tiny" and not node.get("shape")
+        ):
+            continue  # no model, or model=tiny (fp32, never quantized: check_random_model)
+        default = "none" if node.get("source") == "tiny" else "auto"
+        quantization = str(node.get("quantization", default))
+        resolve_quantization(quantization, model_parameters(node), key, warn=False)
+
+
 def check_strategy(cfg) -> None:
     """Strategy x quantization pairs that cannot work (the method's own refusals, e.g. CALM
     under FSDP, are in its `check_requirements`)."""
     quantization = str(cfg.model.get("quantization", "none"))
     four_bit = quantization == "nf4" or (
-        quantization != "none" and resolve_quantization(quantization)
+        quantization != "none"
+        and resolve_quantization(
+            quantization, model_parameters(_plain(cfg, "model", {})), warn=False
+        )  # fmt: skip
     )
     if uses_fsdp(cfg.get("trainer")) and four_bit:
         raise ConfigError(

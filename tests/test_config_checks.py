@@ -325,3 +325,35 @@ def test_rules_follow_the_class_hierarchy():
     calm, reg = merged_rules(CALM), merged_rules(Regularization)
     assert {"inner_steps", "surrogate.schedule", "warmup_ratio"} <= set(calm)
     assert {"alpha_reg", "lr", "warmup_ratio"} <= set(reg) and "inner_steps" not in reg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [(["model=tulu", "setting=demo"], "model.quantization=auto on a CUDA GPU without "
+      "bitsandbytes: a model of 8.0B parameters runs as the paper's 4-bit QLoRA; install it "
+      "(pip install -e '.[quant]' (or pip install bitsandbytes)) or set model.quantization=none "
+      "for bf16 LoRA"),
+     (["model=llama31_8b_instruct", "reference_model=llama31_8b", "method=daca",
+       "setting=demo_posthoc", "reference_model.quantization=auto"],
+      "reference_model.quantization=auto on a CUDA GPU without bitsandbytes: a model of 8.0B")],
+)  # fmt: skip
+def test_auto_quantization_without_bitsandbytes_is_refused_at_the_config_check(
+    overrides, message, compose, tmp_path, refuse_heavy_work, monkeypatch
+):
+    """On a CUDA machine without bitsandbytes, `auto` for a model of 3B parameters or more
+    (its count from its shape) stops the run in the config check, in one line, before any data,
+    logger or weights; `model.quantization=none` passes the same check (bf16 LoRA)."""
+    from calm_lightning.models import loading
+
+    monkeypatch.setattr(loading, "cuda_available", lambda: True)
+    monkeypatch.setattr(loading, "_bitsandbytes_installed", lambda: False)
+    cfg = compose(overrides, tmp_path)
+    with pytest.raises(ConfigError) as error:
+        refuse_heavy_work.run_experiment(cfg)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+    if overrides[0] == "model=tulu":
+        from calm_lightning.methods.base import method_class
+        from calm_lightning.validation import validate_config
+
+        none = compose([*overrides, "model.quantization=none"], tmp_path)
+        validate_config(none, method_class(none), refuse_heavy_work.build_sources(none))

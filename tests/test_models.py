@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -203,3 +204,87 @@ def test_a_hub_export_carrying_a_logit_scale_refuses_a_second_one(hub_cache, tin
     with pytest.raises(ConfigError, match="already carry logit_scale=4.0"):
         load_language_model(_hub_cfg(logit_scale=4.0))
     assert load_language_model(_hub_cfg(logit_scale=1.0)).model is not None
+
+
+def _no_loading(monkeypatch):
+    """Make reading a tokenizer or weights fail loudly: what is refused must be refused first."""
+    from calm_lightning.models import loading
+
+    def loads(*args, **kwargs):
+        raise AssertionError("a tokenizer or weights were read before the refusal")
+
+    monkeypatch.setattr(loading, "_load_tokenizer", loads)
+    monkeypatch.setattr(loading, "_load_weights", loads)
+
+
+def test_auto_without_bitsandbytes_on_cuda_refuses_a_3b_model_before_anything_loads(
+    monkeypatch, tmp_path
+):
+    """A model of a known shape is refused from its shape's count (nothing read); one of no
+    known shape from its config.json's count (the meta-device build), before its weights."""
+    from calm_lightning.models import loading
+
+    monkeypatch.setattr(loading, "cuda_available", lambda: True)
+    monkeypatch.setattr(loading, "_bitsandbytes_installed", lambda: False)
+    _no_loading(monkeypatch)
+    tulu = _hub_cfg(name="tulu", model_id="nobody/never", quantization="auto", dtype="auto")
+    with pytest.raises(ConfigError, match=r"8\.0B parameters .*pip install -e '\.\[quant\]'"):
+        load_language_model(tulu)
+    monkeypatch.setattr(loading, "counted_parameters", lambda *args: 7_000_000_000)
+    (tmp_path / "m").mkdir()
+    unknown = _hub_cfg(name="mine", local_path=str(tmp_path / "m"), quantization="auto")
+    with pytest.raises(ConfigError, match=r"7\.0B parameters.*model\.quantization=none"):
+        load_language_model(unknown)
+
+
+def test_a_small_model_without_bitsandbytes_falls_back_with_a_warning(monkeypatch, caplog):
+    from calm_lightning.models import loading
+
+    monkeypatch.setattr(loading, "cuda_available", lambda: True)
+    monkeypatch.setattr(loading, "_bitsandbytes_installed", lambda: False)
+    with caplog.at_level("WARNING", logger=loading.__name__):
+        assert resolve_quantization("auto", 134_515_008) is False
+    assert "bf16 LoRA" in caplog.text and "pip install -e '.[quant]'" in caplog.text
+    with pytest.raises(ConfigError, match="without bitsandbytes"):
+        resolve_quantization("auto", 3_000_000_000)
+    assert resolve_quantization("none", 8_000_000_000) is False  # explicit none: bf16
+
+
+def test_a_checkpoints_parameters_are_counted_from_its_config_alone(tmp_path, tiny_loaded):
+    from calm_lightning.models.loading import counted_parameters
+
+    tiny_loaded.model.save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").unlink()  # no weights: the config is enough
+    counted = counted_parameters(str(tmp_path / "m"), {"local_path": str(tmp_path / "m")}, True)
+    # the tied embedding counts once, as the loaded model's own count does
+    assert counted == sum(p.numel() for p in tiny_loaded.model.parameters())
+    assert counted == tiny_loaded.model.num_parameters()
+
+
+def test_unquantized_loads_go_straight_to_the_jobs_gpu_and_cpu_loads_stay(monkeypatch):
+    """device_map puts an unquantized model's weights on the job's GPU as they are read (no
+    whole copy in host memory), where the pipeline set a CUDA job device and the strategy keeps
+    a whole model per process; CPU jobs, FSDP and callers outside a run load on the CPU."""
+    import transformers
+
+    from calm_lightning.models import loading
+    from calm_lightning.runtime import job_device
+
+    asked = []
+
+    def from_pretrained(location, **kwargs):
+        asked.append(kwargs)
+        return SimpleNamespace(config=SimpleNamespace(use_cache=True))  # only config is read
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    for device, place, expected in [
+        (torch.device("cuda", 1), True, {"": 1}),
+        (torch.device("cuda", 1), False, None),  # FSDP shards from the CPU
+        (torch.device("cpu"), True, None),
+        (None, True, None),  # export, retention, benchmarks: no job device set
+    ]:
+        monkeypatch.setattr(job_device, "_device", device)
+        monkeypatch.setattr(job_device, "_place_weights", place)
+        loading._load_weights("somewhere", {"source": "hub"}, torch.bfloat16, False, True)
+        assert asked[-1].get("device_map") == expected, (device, place)
+        assert asked[-1]["dtype"] == torch.bfloat16

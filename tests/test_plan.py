@@ -142,7 +142,7 @@ def test_calm_peak_fits_an_a100_with_auto_checkpointing_and_not_without():
     (h200, *_) = plan.plan(overrides[0], overrides[1:], "h200")
     unchecked = h200.estimate["uncheckpointed"]
     assert unchecked["peak_gib"] == pytest.approx(off.estimate["peak_gib"])
-    assert unchecked["peak_gib"] < 141
+    assert unchecked["peak_gib"] < cost_model.DEVICES["h200"].usable_gib
     assert 1.4 < h200.estimate["step_s"] / unchecked["step_s"] < 1.6
     assert "uncheckpointed" not in auto.estimate  # 93 GiB does not fit an A100 40G
 
@@ -420,3 +420,131 @@ def test_a_method_is_priced_by_what_it_declares_not_by_its_name():
     assert token.estimate["step_s"] == pytest.approx(calm.estimate["step_s"], rel=1e-9)
     # two lower-level passes and a held-out pass: three reg-sized passes per outer step
     assert token.estimate["step_s"] == pytest.approx(3 * reg.estimate["step_s"], rel=0.05)
+
+
+# ----- capacities, kept logits, quantization, revisions and SLURM limits per job -----
+
+
+def test_capacities_are_what_cuda_reports_not_the_marketing_gb():
+    """usable_gib is torch's total_memory in GiB, from the readings cited in cost_model.py;
+    the figure on the box (memory_gb, as the label says it) is kept beside it, and is more."""
+    expected = {
+        "a100_40g": (40, 42_298_834_944 / 2**30),  # deviceQuery: 42298834944 bytes
+        "a100_80g": (80, 79.15),  # torch's OOM message: "total capacity of 79.15 GiB"
+        "h100": (80, 81_082 / 1024),  # torch: total_memory=81082MB (MiB)
+        "h200": (141, 143_156 / 1024),  # torch: total_memory=143156MB (MiB)
+    }
+    for name, (sold, usable) in expected.items():
+        device = cost_model.DEVICES[name]
+        assert device.memory_gb == sold and device.usable_gib == pytest.approx(usable, abs=0.005)
+        assert cost_model.usable_gib(name) == device.usable_gib < sold  # what fits is judged by
+
+
+def _dual_align_pair(*extra: str) -> plan.Job:
+    (job,) = plan.plan("method=daca", ["model=llama31_8b_instruct", "reference_model=llama31_8b",
+                                       "setting=posthoc_mmlu", *extra], "a100_40g")  # fmt: skip
+    return job
+
+
+def test_evaluation_charges_the_logits_of_the_kept_last_position_only():
+    """Letter scoring and the logit lens keep the last position (logits_to_keep=1): per row
+    10 bytes per vocabulary entry (bf16 logits, their fp32 copy, the softmax), not 4 bytes at
+    every one of the 1,024 positions. By hand, the Llama-3.1-8B pair in bf16 (8,030,261,248
+    parameters each), 16 prompts of 1,024 tokens, 4096 wide, MLP 14,336, vocabulary 128,256."""
+    job = _dual_align_pair()
+    assert job.eval_kept_positions == 1 and not job.quantized and job.eval_batch == 16
+    weights = 2 * 2 * 8_030_261_248
+    transient = 16 * 1024 * (8 * 4096 + 2 * 14336)
+    logits = 16 * 10 * 128_256
+    assert job.estimate["peak_gib"] == pytest.approx(
+        (weights + transient + logits + 2**30) / 2**30, rel=1e-12
+    )
+    assert job.estimate["fits"]  # 31.9 GiB; the every-position charge put it at 39.7
+
+
+def test_a_peak_under_the_40_gb_on_the_box_but_over_what_cuda_reports_does_not_fit():
+    """145 prompts a batch put the pair at 39.58 GiB: under 40, over the A100's 39.39."""
+    job = _dual_align_pair("setting.eval_batch_size=145")
+    by_hand = 2 * 2 * 8_030_261_248 + 145 * 1024 * (8 * 4096 + 2 * 14336) + 145 * 10 * 128_256
+    peak = (by_hand + 2**30) / 2**30
+    assert job.estimate["peak_gib"] == pytest.approx(peak, rel=1e-12)
+    assert 39.39 < peak < 40 and not job.estimate["fits"]
+
+
+def test_training_charges_full_width_bf16_logits_and_fp32_rows_the_objective_reads():
+    """Instruction data (ood: Alpaca) read every response position, bounded by all 16 x 512:
+    12 bytes each (fp32 copy, log-softmax, gradient). MCQA data (id) read the answer's few rows
+    (8 per example), so what dominates is the full-width bf16 logits' backward (2 x 2 bytes per
+    position) beside the rows' fp32 copy. OLMo-2 (vocabulary 100,352), same batch and length:
+    the peaks differ by exactly that, all else equal."""
+    (ood, *_) = plan.plan("+sweep=reg", ["model=olmo2", "setting=ood"], "a100_40g")
+    (mcqa, *_) = plan.plan("+sweep=reg", ["model=olmo2", "setting=id"], "a100_40g")
+    assert not ood.mcqa_training and mcqa.mcqa_training
+    tokens, rows, vocab = 16 * 512, 16 * 8, 100_352
+    instruction = 12 * tokens * vocab
+    letter = max(12 * rows, 4 * tokens + 4 * rows) * vocab
+    difference = ood.estimate["peak_gib"] - mcqa.estimate["peak_gib"]
+    assert difference == pytest.approx((instruction - letter) / 2**30, rel=1e-9)
+
+
+def test_the_plan_prints_the_quantization_it_assumed_and_unpinned_revisions(tmp_path, capsys):
+    out_json = tmp_path / "plan.json"
+    assert plan.main(["+sweep=reg", "model=tulu", "setting=ood", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "quantization assumed: tulu nf4: model.quantization=auto on a CUDA GPU with "
+        "bitsandbytes; without it a model this size is refused" in out
+    )
+    assert "WARN model=tulu (allenai/Llama-3.1-Tulu-3-8B-DPO): no revision pinned" in out
+    assert out.count("), nf4, peak ") == 4  # each job's line says what it was priced as
+    record = json.loads(out_json.read_text())
+    for job in record["jobs"]:
+        assert job["quantization"] == "nf4" and "bitsandbytes" in job["quantization_reason"]
+        assert job["revision_warnings"] and "conf/model/tulu.yaml" in job["revision_warnings"][0]
+    assert plan.main(["+sweep=reg", "model=tulu", "setting=ood", "model.quantization=none"]) == 0
+    out = capsys.readouterr().out
+    assert "quantization assumed: tulu bf16: model.quantization=none" in out
+
+
+def test_tulus_reg_jobs_need_five_requeues_under_the_720_minute_limit():
+    """The issue's arithmetic, by hand. Tulu 3 8B (Llama-3.1-8B: N = 8,030,261,248 less the
+    128,256 x 4096 input embedding), LoRA r = 64 (per layer 64 x (7 x 4096 + 2 x 4096 +
+    2 x 1024 + 3 x 14,336)), checkpointing on (8B): 6 N + 8 P + 4 x 2 x 32 x w x 4096 FLOPs per
+    token at the measured Alpaca width w = 239.7 of 16 rows, nf4 at 35 % of 312 TFLOP/s;
+    48,002 rows / 16 = 3,000 steps an epoch, 30 epochs. 40.9 h of training, ceil(x 60 x 1.25)
+    minutes: ceil(3,071 / 720) = 5, and still 5 with up to an hour of evaluation on top."""
+    (reg, *_) = plan.plan("+sweep=reg", ["model=tulu", "setting=ood"], "a100_40g")
+    n = 8_030_261_248 - 128_256 * 4096
+    lora = 32 * 64 * (7 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 14336)
+    width = 239.7
+    step = 16 * width * (6 * n + 8 * lora + 4 * 2 * 32 * width * 4096) / (312e12 * 0.35)
+    train_h = 90_000 * step / 3600
+    assert reg.estimate["train_s"] / 3600 == pytest.approx(train_h, rel=1e-9)
+    assert 40 < train_h < 42 and reg.estimate["eval_s"] < 3600
+    low, high = (math.ceil(math.ceil(h * 60 * 1.25) / 720) for h in (train_h, train_h + 1))
+    assert low == high == 5
+    limits = plan.job_launcher_limits(reg)
+    assert limits["timeout_min"] == limits["limit_min"] == 720
+    assert limits["max_num_timeout"] == 5
+    assert limits["needed_min"] == math.ceil(reg.estimate["gpu_hours"] * 60 * 1.25)
+
+
+def test_each_run_call_gets_the_limits_its_own_jobs_need(capsys):
+    """The launcher applies one limit to a whole multirun, so a call's limit and requeues are
+    its longest job's: a short grid asks for less time (never under an hour: start-up is not
+    priced), a user's `hydra.launcher.timeout_min` is the limit the requeues count in."""
+    jobs = plan.plan("+sweep=iterate", ["model=tulu", "setting=ood"], "a100_40g")
+    longest = max(j.estimate["gpu_hours"] for j in jobs)
+    assert math.ceil(longest * 60 * 1.25) < 60  # about 20 minutes
+    assert plan.launcher_overrides(jobs) == [
+        "hydra.launcher.timeout_min=60", "hydra.launcher.max_num_timeout=1",
+    ]  # fmt: skip
+    args = ["+sweep=reg", "model=tulu", "setting=ood", "hydra/launcher=slurm",
+            "hydra.launcher.timeout_min=2880", "--launcher-overrides"]  # fmt: skip
+    assert plan.main(args) == 0
+    (reg, *_) = plan.plan("+sweep=reg", ["model=tulu", "setting=ood"], "a100_40g")
+    needed = math.ceil(reg.estimate["gpu_hours"] * 60 * 1.25)
+    assert capsys.readouterr().out == (
+        f"hydra.launcher.timeout_min=2880 hydra.launcher.max_num_timeout="
+        f"{math.ceil(needed / 2880)}\n"
+    )

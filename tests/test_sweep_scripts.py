@@ -143,3 +143,81 @@ def test_head_ablation_script_end_to_end_on_the_tiny_model(tmp_path):
         '{"method.head.kind": "scalar"}',
     }
     assert "| tiny | demo | calm |" in (out / "report" / "report.md").read_text()
+
+
+def _recording_python(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in for the scripts' Python: `-m calm_lightning plan` runs for real (a script asks
+    it for each grid's SLURM limits), every other call is only recorded, one line each."""
+    log, wrapper = tmp_path / "calls.txt", tmp_path / "python"
+    wrapper.write_text(
+        "#!/usr/bin/env bash\n"
+        "if [[ $1 == -m && $2 == calm_lightning && $3 == plan ]]; then\n"
+        f'    exec {sys.executable} "$@"\n'
+        "fi\n"
+        f"printf '%s\\n' \"$*\" >> {log}\n"
+    )
+    wrapper.chmod(0o755)
+    return wrapper, log
+
+
+def _run_calls(log: Path) -> dict[str, dict[str, str]]:
+    """Each recorded `calm_lightning.run` call's overrides, by its grid."""
+    calls = {}
+    for line in log.read_text().splitlines():
+        words = line.split()
+        if words[:2] == ["-m", "calm_lightning.run"]:
+            pairs = dict(w.split("=", 1) for w in words[2:] if "=" in w)
+            calls[pairs["+sweep"]] = pairs
+    return calls
+
+
+@pytest.mark.integration
+def test_under_slurm_each_grid_gets_the_limit_and_requeues_its_own_jobs_need(tmp_path):
+    """hydra/launcher=slurm: each grid's call carries the time limit and requeues the plan
+    gives its longest job (one limit per multirun): Tulu's reg jobs (30 epochs, 41 h on an A100
+    40G; tests/test_plan.py works it by hand) 5 requeues of the 720-minute limit, the short
+    grids a shorter limit; the same grids without SLURM get nothing added."""
+    from calm_lightning import plan
+    from calm_lightning.planning.pricing import calls_of, launcher_limits
+
+    python, log = _recording_python(tmp_path)
+    script = SWEEPS / "table1_mcqa_ood.sh"
+    done = _bash(script, "--model", "tulu", "--python", python, "--out", tmp_path / "out",
+                 "--device", "a100_40g", "hydra/launcher=slurm", timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    calls = _run_calls(log)
+    assert calls["reg"]["hydra.launcher.timeout_min"] == "720"
+    assert calls["reg"]["hydra.launcher.max_num_timeout"] == "5"
+    jobs = plan.plan(str(script), ["model=tulu"], "a100_40g")
+    for members in calls_of(jobs).values():
+        grid = next(o for o in members[0].overrides if o.startswith("+sweep=")).split("=")[1]
+        limits = launcher_limits(members)
+        assert calls[grid]["hydra.launcher.timeout_min"] == str(limits["timeout_min"]), grid
+        assert calls[grid]["hydra.launcher.max_num_timeout"] == str(limits["max_num_timeout"])
+    assert int(calls["calm_ood"]["hydra.launcher.timeout_min"]) < 720  # about 1.2 h
+    # the revision warning, once per model
+    assert done.stderr.count("WARN model=tulu has no pinned revision") == 1
+    # a limit the user passes wins, and the requeues are counted in it
+    log.unlink()
+    done = _bash(script, "--model", "tulu", "--python", python, "--out", tmp_path / "out",
+                 "--device", "a100_40g", "hydra/launcher=slurm",
+                 "hydra.launcher.timeout_min=2880", timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    reg = _run_calls(log)["reg"]
+    assert reg["hydra.launcher.timeout_min"] == "2880"  # given once, by the user
+    assert log.read_text().count("hydra.launcher.timeout_min=") == 4
+    assert reg["hydra.launcher.max_num_timeout"] == "2"  # ceil(3,089 / 2,880)
+    # without SLURM nothing is planned or added
+    log.unlink()
+    done = _bash(script, "--model", "tulu", "--python", python, "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hydra.launcher" not in log.read_text()
+
+
+def test_a_revision_override_for_several_models_is_refused(tmp_path):
+    """A commit belongs to one repository: one `model.revision=` for a script's several models
+    would pin them all to it. The one place to pin is each model's conf/model/<name>.yaml."""
+    done = _bash(SWEEPS / "table1_mcqa_ood.sh", "--model", "tulu,olmo2", "--python", "echo",
+                 "--out", tmp_path, "model.revision=" + "0" * 40)  # fmt: skip
+    assert done.returncode == 2
+    assert "pin each in its conf/model/<name>.yaml (revision:)" in done.stderr

@@ -20,8 +20,13 @@ from calm_lightning.models.logit_distortion import (
     distortion_settings,
     install_distortion,
 )
+from calm_lightning.models.model_node import (
+    bitsandbytes_installed,
+    choose_quantization,
+    model_parameters,
+)
 from calm_lightning.models.shapes import get_shape
-from calm_lightning.runtime.job_device import job_cuda_device
+from calm_lightning.runtime.job_device import job_cuda_device, weights_device
 from calm_lightning.runtime.resolvers import cuda_available
 
 log = logging.getLogger(__name__)
@@ -95,31 +100,20 @@ def resolve_dtype(value: str) -> torch.dtype:
     return DTYPES[value]
 
 
-def resolve_quantization(value: str) -> bool:
-    """Whether to load in 4-bit nf4: `auto` means yes on CUDA when bitsandbytes is installed."""
-    check_model_value("quantization", value)
-    if value == "none":
-        return False
-    has_bnb = _bitsandbytes_installed()
-    if value == "nf4":
-        if not cuda_available():
-            # On CPU bitsandbytes 4-bit runs but inference before training silently breaks
-            # LoRA gradients (docs/platform.md), so we refuse rather than train nothing.
-            raise ConfigError(
-                "model.quantization=nf4 needs a CUDA GPU; on CPU use model.quantization=none "
-                "(or auto, which picks fp32 LoRA on CPU)."
-            )
-        if not has_bnb:
-            raise ConfigError(
-                "model.quantization=nf4 needs bitsandbytes: pip install -e '.[quant]'"
-            )
-        return True
-    if cuda_available() and not has_bnb:
-        log.warning(
-            "CUDA found but bitsandbytes is not installed: plain LoRA instead of QLoRA "
-            "(pip install -e '.[quant]' for 4-bit)."
-        )
-    return cuda_available() and has_bnb
+def resolve_quantization(value: str, parameters: int | None = None, key: str = "model",
+                         warn: bool = True) -> bool:  # fmt: skip
+    """Whether to load in 4-bit nf4, by models/model_node.py's rule: `auto` means yes on CUDA
+    when bitsandbytes is installed; on CUDA without it a model of `parameters` >= 3B is refused
+    (a ConfigError naming `<key>.quantization` and the install command), a smaller or unknown
+    one loads unquantized (with a warning unless `warn` is off)."""
+    check_values(key, {"quantization": value}, {"quantization": MODEL_RULES["quantization"]})
+    cuda = cuda_available()
+    choice = choose_quantization(
+        value, cuda=cuda, bitsandbytes=_bitsandbytes_installed(), parameters=parameters, key=key
+    )
+    if warn and value == "auto" and cuda and not choice.four_bit:
+        log.warning("%s", choice.reason)
+    return choice.four_bit
 
 
 def resolved_choices(model_cfg: DictConfig | dict) -> dict:
@@ -133,7 +127,7 @@ def resolved_choices(model_cfg: DictConfig | dict) -> dict:
     else:
         default = "none" if source == "tiny" else "auto"
         dtype = resolve_dtype(cfg.get("dtype", "auto"))
-        quantize = resolve_quantization(cfg.get("quantization", default))
+        quantize = resolve_quantization(cfg.get("quantization", default), model_parameters(cfg))
     return {
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": "nf4" if quantize else "none",
@@ -158,9 +152,22 @@ def _known_revision(cfg: dict) -> str | None:
 
 
 def _bitsandbytes_installed() -> bool:
-    import importlib.util
+    return bitsandbytes_installed()
 
-    return importlib.util.find_spec("bitsandbytes") is not None
+
+def counted_parameters(location: str, cfg: dict, local_only: bool) -> int:
+    """The parameters of the checkpoint at `location` from its config.json alone (built on the
+    meta device: no memory, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    remote, revision = bool(cfg.get("trust_remote_code")), cfg.get("revision")
+    config = AutoConfig.from_pretrained(
+        location, revision=None if cfg.get("local_path") else revision,
+        local_files_only=local_only, trust_remote_code=remote,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+    return sum(p.numel() for p in model.parameters())
 
 
 def load_language_model(
@@ -187,8 +194,15 @@ def load_language_model(
         install_distortion(loaded.model, distortion or LogitDistortion((), 0.0, scale))
         return loaded
     dtype = resolve_dtype(cfg.get("dtype", "auto"))
-    quantize = resolve_quantization(cfg.get("quantization", "auto"))
+    quantization, parameters = cfg.get("quantization", "auto"), model_parameters(cfg)
+    # `auto` on CUDA without bitsandbytes depends on the size: the shape's, before anything is
+    # read (as the config check said), else config.json's, before the weights
+    count = parameters is None and quantization == "auto" and cuda_available()
+    count = count and not _bitsandbytes_installed()
+    quantize = False if count else resolve_quantization(quantization, parameters)
     location, local_only = _weights_location(cfg)
+    if count:
+        quantize = resolve_quantization(quantization, counted_parameters(location, cfg, local_only))
     tokenizer = _load_tokenizer(location, cfg, local_only)
     model = _load_weights(location, cfg, dtype, quantize, local_only)
     refuse_second_logit_scale(location, scale, model.config)
@@ -353,6 +367,9 @@ def _load_weights(location: str, cfg: dict, dtype: torch.dtype, quantize: bool, 
         )
         # 4-bit weights cannot be moved after loading; place them on this job's GPU.
         kwargs["device_map"] = {"": job_cuda_device().index}
+    elif weights_device() is not None:
+        # straight onto the job's GPU, shard by shard, never whole in host memory
+        kwargs["device_map"] = {"": weights_device().index}
     try:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except OSError as err:
@@ -434,7 +451,9 @@ def _build_tiny(cfg: dict) -> LoadedModel:
     # The tiny model keeps fp32 on the CPU (tests compare numbers); a shape follows model.dtype
     # and is built where it will run, so a 7B shape never passes through host memory in fp32.
     dtype = resolve_dtype(cfg.get("dtype", "auto")) if shaped else torch.float32
-    quantize = shaped and resolve_quantization(cfg.get("quantization", "none"))
+    quantize = shaped and resolve_quantization(
+        cfg.get("quantization", "none"), model_parameters(cfg)
+    )
     device = torch.device("cpu")
     if shaped and cuda_available():
         device = job_cuda_device()

@@ -22,24 +22,52 @@ import subprocess
 from dataclasses import dataclass
 
 from calm_lightning.errors import ConfigError
-from calm_lightning.models.shapes import SHAPES, Shape, parameter_count
+from calm_lightning.models.model_node import (  # noqa: F401  (the planner's names for them)
+    MODEL_SHAPES,
+    model_shape,
+)
+from calm_lightning.models.shapes import Shape, parameter_count
 
 
 @dataclass(frozen=True)
 class Device:
-    """A GPU: dense bf16 peak (no sparsity), memory and memory bandwidth, from its datasheet."""
+    """A GPU: dense bf16 peak (no sparsity) and memory bandwidth from its datasheet; its memory
+    as its label says it (`memory_gb`: the A100's "40GB" is about what nvidia-smi lists in GiB)
+    and as CUDA reports it to a process (`usable_gib`), which fits are judged against."""
 
     label: str
     peak_tflops: float
-    memory_gib: float
+    memory_gb: float
     bandwidth_tbs: float
+    usable_gib: float
+
+    @property
+    def memory_gib(self) -> float:
+        """The memory fits are judged against: `usable_gib` (its name before there were two)."""
+        return self.usable_gib
 
 
+# usable_gib: total memory as torch.cuda.get_device_properties(i).total_memory (= CUDA's
+# cudaDeviceProp.totalGlobalMem) reports it, in GiB: what the driver leaves to processes,
+# less than the label's figure read as GiB and than nvidia-smi's memory.total (40960 MiB on an
+# A100 40GB: modal-labs/modal-client PR #2797). Looked up in public logs
+# (no GPU here), the lowest reading where drivers differ:
+#   A100 40GB: deviceQuery "40339 MBytes (42298834944 bytes)" (bottlerocket-os/bottlerocket
+#     PR #3873) = 39.39 GiB; Paddle's device properties read 40536MB (39.59 GiB) elsewhere.
+#   A100 80GB: torch's OOM message "GPU 0 has a total capacity of 79.15 GiB" on cards
+#     nvidia-smi lists as 81920MiB; deviceQuery 81251 MBytes (79.35 GiB) elsewhere.
+#   H100 80GB HBM3: torch's _CudaDeviceProperties total_memory=81082MB to 81090MB (MiB) =
+#     79.18-79.19 GiB; nvidia-smi 81559MiB (vllm-project/vllm issue #27508).
+#   H200: torch total_memory=143156MB = 139.80 GiB, and OOM messages "total capacity of
+#     139.80 GiB"; nvidia-smi 143771MiB (results/gpu_check/README.md).
+# A job's peak (peak_bytes, inference_peak_bytes) already includes CUDA_CONTEXT_GIB for the
+# context, cuBLAS workspace and allocator slack, which come out of this total: a job fits when
+# its peak <= usable_gib, with nothing subtracted a second time.
 DEVICES = {
-    "a100_40g": Device("NVIDIA A100 40GB (SXM)", 312.0, 40.0, 1.555),
-    "a100_80g": Device("NVIDIA A100 80GB (SXM)", 312.0, 80.0, 2.039),
-    "h100": Device("NVIDIA H100 80GB (SXM)", 989.0, 80.0, 3.35),
-    "h200": Device("NVIDIA H200 141GB (SXM)", 989.0, 141.0, 4.8),
+    "a100_40g": Device("NVIDIA A100 40GB (SXM)", 312.0, 40.0, 1.555, 39.39),
+    "a100_80g": Device("NVIDIA A100 80GB (SXM)", 312.0, 80.0, 2.039, 79.15),
+    "h100": Device("NVIDIA H100 80GB (SXM)", 989.0, 80.0, 3.35, 79.18),
+    "h200": Device("NVIDIA H200 141GB (SXM)", 989.0, 141.0, 4.8, 139.80),
 }
 DEFAULT_DEVICE = "a100_40g"  # the paper's GPU (Table 10), when no GPU is visible here
 
@@ -64,39 +92,25 @@ TRAINABLE_BYTES = 16
 # CALM's surrogate: a copy of the adapters with its own gradient and two Adam moments
 # (docs/calm.md, cost accounting): another 16 bytes per adapter parameter.
 SURROGATE_BYTES = 16
-# The loss over the vocabulary holds fp32 logits, their log-softmax (kept for the backward) and
-# the gradient of the logits: 12 bytes per token and vocabulary entry.
-LOGIT_BYTES = 12
+# Logits, per vocabulary entry, as the code materialises them (logit_bytes).
+# Training: CalibratedLM.raw_logits (models/calibrated_lm.py) keeps every position
+# (logits_to_keep=0) in the compute dtype, bf16 under the GPU's bf16-mixed autocast (2 bytes);
+# the objective selects its rows from it (every response position: select_response_logits in
+# data/collate.py, through methods/objectives.py and methods/single_level.py; the answer slot
+# of letter-format MCQA: answer_slot_rows in evaluation/mcqa.py, through the scorer's
+# training_logits) and `adjust` casts them to fp32 (4 bytes), kept with their log-softmax (4)
+# and its gradient (4): 12 bytes per selected row. The full bf16 tensor is freed once selected;
+# the backward scatters the selection's gradient into zeros of the sliced and then of the full
+# shape (two full-size bf16 tensors for a moment, beside the fp32 copy).
+FULL_LOGIT_BYTES = 2
+SELECTED_LOGIT_BYTES = 12
+# Evaluation keeps the last position only (logits_to_keep=1): letter scoring (evaluation/mcqa.py
+# score_options, option_probabilities), the logit lens of the post-hoc reference methods
+# (models/logit_lens.py) and the sampler's prefill (evaluation/sampling.py); per row the bf16
+# logits, their fp32 copy and the softmax: 10 bytes. Cloze scoring keeps each option's tokens
+# (evaluation/cloze.py, logits_to_keep = option width + 1): the plan charges it every position.
+KEPT_LOGIT_BYTES = 10
 CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspace and allocator slack
-
-# The Hugging Face model each configured model (conf/model, conf/reference_model) runs: its
-# shape in models/shapes.py. Tulu 3 8B fine-tunes Llama-3.1-8B (8 added vocabulary rows: no
-# difference at this precision); the base (pre-trained) references share their chat models'.
-MODEL_SHAPES = {
-    "olmo2": "olmo2_7b",
-    "vicuna": "llama2_7b",
-    "tulu": "llama31_8b",
-    "mistral": "mistral_7b",
-    "smollm2": "smollm2_135m",
-    "llama31_8b_instruct": "llama31_8b",
-    "llama31_8b": "llama31_8b",
-    "qwen25_1p5b_instruct": "qwen25_1p5b",
-    "qwen25_1p5b": "qwen25_1p5b",
-    "qwen25_7b_instruct": "qwen25_7b",
-    "qwen25_7b": "qwen25_7b",
-    "qwen25_14b_instruct": "qwen25_14b",
-    "qwen25_14b": "qwen25_14b",
-    "gemma3_1b_it": "gemma3_1b",
-    "gemma3_1b": "gemma3_1b",
-    "gemma3_27b_it": "gemma3_27b",
-    "gemma3_27b": "gemma3_27b",
-}
-# model=tiny's dimensions when its config leaves them out (models/loading.py's defaults).
-TINY_DEFAULTS = {
-    "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
-    "num_kv_heads": 2,
-}  # fmt: skip
-TINY_VOCABULARY = 49152  # model=tiny / tiny_plm: the embedded SmolLM2 tokenizer's vocabulary
 
 # CALM paper, Table 10: one 7-8B model on one A100 40G, a complete run at 5 epochs.
 PAPER_TABLE10 = {
@@ -140,25 +154,6 @@ def get_device(name: str) -> Device:
     if name not in DEVICES:
         raise ConfigError(f"--device {name}: choose one of {', '.join(DEVICES)}")
     return DEVICES[name]
-
-
-def model_shape(model: dict) -> Shape | None:
-    """The shape a composed `model` (or `reference_model`) node runs, None when unknown."""
-    if model.get("shape"):
-        return SHAPES.get(str(model["shape"]))
-    if model.get("source") == "tiny":
-        tiny = model.get("tiny") or {}
-        dims = [_size(tiny, key, default) for key, default in TINY_DEFAULTS.items()]
-        return Shape("llama", "model=tiny", *dims, TINY_VOCABULARY, 1024, 10000.0, 1e-5, True)
-    name = MODEL_SHAPES.get(str(model.get("name")))
-    return SHAPES[name] if name else None
-
-
-def _size(node: dict, key: str, default: int) -> int:
-    """A tiny model's dimension; an unresolved interpolation (a config read without its
-    parent) counts as the loader's default."""
-    value = node.get(key, default)
-    return int(value) if str(value).isdigit() else default
 
 
 def matmul_parameters(shape: Shape) -> int:
@@ -241,24 +236,42 @@ def gib(n_bytes: float) -> float:
     return n_bytes / 2**30
 
 
+def training_logit_bytes(shape: Shape, tokens: int, selected: int) -> float:
+    """Logit bytes at the busiest moment of a training pass over `tokens` positions of which the
+    objective reads `selected` (see FULL_LOGIT_BYTES): the fp32 rows with their log-softmax and
+    gradient (12 per row), or the fp32 copy beside the backward's two full-width bf16 tensors
+    (2 x 2 per position + 4 per row), whichever is more."""
+    full = 2 * FULL_LOGIT_BYTES * tokens + FP32_BYTES * selected
+    return shape.vocab_size * max(SELECTED_LOGIT_BYTES * selected, full)
+
+
 def peak_bytes(shape: Shape, quantized: bool, tokens: int, lora: int, checkpointing: bool,
-               surrogate: bool) -> float:  # fmt: skip
-    """Peak device memory of a training step over `tokens` tokens (batch x length)."""
+               surrogate: bool, selected: int | None = None) -> float:  # fmt: skip
+    """Peak device memory of a training step over `tokens` tokens (batch x length), of which the
+    objective reads `selected` rows of logits (None: every position)."""
     total = weight_bytes(shape, quantized) + TRAINABLE_BYTES * lora
     total += SURROGATE_BYTES * lora if surrogate else 0
-    total += tokens * (activation_bytes(shape, checkpointing) + LOGIT_BYTES * shape.vocab_size)
+    total += tokens * activation_bytes(shape, checkpointing)
+    total += training_logit_bytes(shape, tokens, tokens if selected is None else selected)
     return total + CUDA_CONTEXT_GIB * 2**30
 
 
-def inference_peak_bytes(shapes: list[tuple[Shape, bool]], tokens: int) -> float:
-    """Peak of an evaluation batch: the models' weights, one layer's transient tensors (the
-    residual stream, its normed copy, q and the attention output in bf16: 8h bytes per token,
-    and the MLP's intermediate: 2I) and the fp32 logits of the widest vocabulary."""
+def inference_peak_bytes(shapes: list[tuple[Shape, bool]], tokens: int, kept: int) -> float:
+    """Peak of an evaluation batch of `tokens` tokens: the models' weights, one layer's
+    transient tensors (the residual stream, its normed copy, q and the attention output in
+    bf16: 8h bytes per token, and the MLP's intermediate: 2I) and the `kept` positions' logits
+    of the widest vocabulary (the batch's rows when only the last is kept: KEPT_LOGIT_BYTES)."""
     total = sum(weight_bytes(s, q) for s, q in shapes)
     widest = max((s for s, _ in shapes), key=lambda s: s.hidden_size)
     total += tokens * (8 * widest.hidden_size + 2 * widest.intermediate_size)
-    total += tokens * FP32_BYTES * max(s.vocab_size for s, _ in shapes)
+    total += kept * KEPT_LOGIT_BYTES * max(s.vocab_size for s, _ in shapes)
     return total + CUDA_CONTEXT_GIB * 2**30
+
+
+def usable_gib(name: str) -> float:
+    """The memory a job's peak must fit on the named GPU: its total as CUDA reports it, in GiB
+    (the CUDA context is part of every peak, not subtracted here)."""
+    return get_device(name).usable_gib
 
 
 def check_order(costs: dict) -> None:

@@ -16,6 +16,7 @@ from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.base_cache import NOT_MODEL, NOT_SCORING
 from calm_lightning.method_traits import MethodTraits, method_traits
 from calm_lightning.models.lora import checkpointing_enabled
+from calm_lightning.models.model_node import planned_quantization, revision_note
 from calm_lightning.models.shapes import Shape, parameter_count
 from calm_lightning.planning import cost_model
 
@@ -53,12 +54,18 @@ class Job:
     eval_max_length: int = 1
     shape: Shape | None = None  # the architecture the model runs (cost_model.model_shape)
     quantized: bool = True  # nf4 QLoRA (quantization auto on a GPU) or bf16
+    quantization_reason: str = ""  # why the plan assumes `quantized` (model_node.py's rule)
     lora_r: int = 0
     checkpointing: bool = False
     sampling: tuple[int, int] | None = None  # open QA: (samples, max new tokens) per question
     train_source: str | None = None  # the training data's source class (passes.py widths)
     reference_shape: Shape | None = None  # post-hoc methods' pre-trained reference model
     reference_quantized: bool = False
+    mcqa_training: bool = False  # the training split is MCQA (a letter answer per example)
+    eval_kept_positions: int = 1  # logit positions an evaluation row keeps (cloze: all)
+    unpinned: list[str] = field(default_factory=list)  # a warning per unpinned Hub revision
+    call: int = 0  # which `calm_lightning.run` call of its sweep launches it (sweep.plan)
+    launcher_limit_min: int | None = None  # its call's hydra.launcher.timeout_min, if set
     estimate: dict = field(default_factory=dict)
 
 
@@ -218,7 +225,8 @@ def _describe_costs(job: Job, cfg) -> None:
     select, setting = OmegaConf.select, cfg.setting
     model = OmegaConf.to_container(cfg.model, resolve=True)
     job.shape = cost_model.model_shape(model)
-    job.quantized = str(model.get("quantization", "auto")) in ("auto", "nf4")  # auto: nf4 on GPU
+    planned = planned_quantization(model)
+    job.quantized, job.quantization_reason = planned.four_bit, planned.reason
     job.lora_r = int(select(cfg, "peft.r", default=0) or 0)
     job.checkpointing = checkpointing_enabled(
         select(cfg, "peft.gradient_checkpointing", default=False),
@@ -226,6 +234,8 @@ def _describe_costs(job: Job, cfg) -> None:
     )
     train_target = str(select(cfg, "setting.train._target_", default="") or "")
     job.train_source = train_target.rsplit(".", 1)[-1] or None
+    job.mcqa_training = "train" in setting and _is_mcqa(setting.train)
+    scoring = str(select(cfg, "evaluation.scoring", default="letter"))
     job.heldout_batch = int(setting.get("heldout_batch_size") or job.batch)
     job.eval_max_length = int(setting.get("eval_max_length", job.max_length))
     test_target = str(select(cfg, "setting.test._target_", default="") or "")
@@ -237,7 +247,21 @@ def _describe_costs(job: Job, cfg) -> None:
     if reference is not None and str(reference.get("name", "none")) != "none":
         ref = OmegaConf.to_container(reference, resolve=True)
         job.reference_shape = cost_model.model_shape(ref)
-        job.reference_quantized = str(ref.get("quantization", "none")) == "nf4"
+        job.reference_quantized = planned_quantization(ref, "reference_model").four_bit
+        job.unpinned.append(revision_note(ref, "reference_model"))
+    job.unpinned = [note for note in (revision_note(model), *job.unpinned) if note]
+    # letter scoring, the logit lens and the sampler keep the last position (cost_model)
+    job.eval_kept_positions = job.eval_max_length if scoring == "cloze" else 1
+
+
+def _is_mcqa(node) -> bool:
+    """Whether a data node yields MCQA records (trained as a letter answer): the MCQA
+    benchmark, a local or demo source of kind mcqa, or a fit / test carving of one."""
+    if "kind" in node:
+        return str(node.kind) == "mcqa"
+    if "source" in node and hasattr(node.source, "get"):
+        return _is_mcqa(node.source)
+    return str(node.get("_target_", "") or "").endswith(".MCQASource")
 
 
 def _model_label(name, shape) -> str:

@@ -8,6 +8,9 @@ from calm_lightning.planning.pricing import (
     SLURM_MARGIN,
     base_cache_line,
     budget_line,
+    calls_of,
+    job_launcher_limits,
+    launcher_limits,
     slurm_suggestion,
 )
 
@@ -26,9 +29,12 @@ def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None,
     print(f"{len(jobs)} jobs; every job has: {' '.join(sorted(common))}")
     print(
         f"device: {device} ({spec.label}: {spec.peak_tflops:g} TFLOP/s bf16 dense, "
-        f"{spec.memory_gib:g} GiB); cost model: calm_lightning/planning/cost_model.py"
+        f"{spec.memory_gb:g} GB sold, {spec.usable_gib:g} GiB usable as CUDA reports it); "
+        "cost model: calm_lightning/planning/cost_model.py"
     )
     print(budget_line(jobs))
+    for line in assumption_lines(jobs):
+        print(line)
     if measured:
         print(
             f"utilisation measured on {measured['file_device']}: training "
@@ -47,10 +53,11 @@ def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None,
             print(f"      no estimate: {e['basis']}")
             continue
         step = f"{e['step_s']:.2f} s/step, " if job.train_steps else ""
-        fits = "" if e["fits"] else f"  DOES NOT FIT {spec.memory_gib:g} GiB"
+        fits = "" if e["fits"] else f"  DOES NOT FIT {spec.usable_gib:g} GiB"
         print(
             f"      {step}{e['gpu_hours']:.2f} GPU-h (train {_hours(e['train_s'])}, eval "
-            f"{_hours(e['eval_s'])}), peak {e['peak_gib']:.1f} GiB{fits}"
+            f"{_hours(e['eval_s'])}), {'nf4' if job.quantized else 'bf16'}, peak "
+            f"{e['peak_gib']:.1f} GiB{fits}"
         )
         if job.base_read_from is not None:
             print(f"      base model: read from #{job.base_read_from}'s base cache, not scored")
@@ -89,6 +96,44 @@ def print_plan(jobs: list[Job], device: str, measured: dict | None, costs=None,
         f"{slurm['max_num_timeout']} (ceil({slurm['timeout_min']} / {slurm['limit_min']}) "
         "requeues, each resuming from the last checkpoint)"
     )
+    for line in call_limit_lines(jobs):
+        print(line)
+
+
+def assumption_lines(jobs: list[Job]) -> list[str]:
+    """What the plan assumes each model loads as, and why (one line per model and assumption;
+    each job's line says nf4 or bf16), and a WARN line per unpinned Hub revision."""
+    seen: dict[str, str] = {}
+    for job in jobs:
+        seen.setdefault(f"{job.model} {'nf4' if job.quantized else 'bf16'}",
+                        job.quantization_reason)  # fmt: skip
+    lines = [f"quantization assumed: {what}: {why}" for what, why in seen.items()]
+    return lines + [f"WARN {note}" for note in sorted({n for j in jobs for n in j.unpinned})]
+
+
+def call_limit_lines(jobs: list[Job]) -> list[str]:
+    """Each run call's SLURM limit and requeues (`launcher_limits`), where there are several."""
+    calls = calls_of(jobs)
+    if len(calls) < 2:
+        return []
+    lines = ["SLURM per run call (the sweep scripts pass these under hydra/launcher=slurm):"]
+    for index, members in calls.items():
+        limits = launcher_limits(members)
+        if limits:
+            lines.append(
+                f"  call {index} (#{jobs.index(members[0])}-#{jobs.index(members[-1])}, "
+                f"{_call_label(members)}): hydra.launcher.timeout_min={limits['timeout_min']} "
+                f"hydra.launcher.max_num_timeout={limits['max_num_timeout']} (longest job "
+                f"{limits['needed_min']} min with the margin)"
+            )
+    return lines
+
+
+def _call_label(members: list[Job]) -> str:
+    """The overrides every job of one call shares that name it (its grid and model)."""
+    common = set.intersection(*(set(j.overrides) for j in members))
+    named = [o for o in members[0].overrides if o in common and o.startswith(("+sweep=", "model="))]
+    return " ".join(named) or members[0].method
 
 
 def plan_record(jobs: list[Job], device: str, measured: dict | None,
@@ -116,6 +161,11 @@ def plan_record(jobs: list[Job], device: str, measured: dict | None,
                     "basis",
                 )
             },
+            "quantization": "nf4" if j.quantized else "bf16",
+            "quantization_reason": j.quantization_reason,
+            "revision_warnings": j.unpinned,
+            "call": j.call,
+            "slurm": job_launcher_limits(j),
         }  # fmt: skip
         for j in jobs
     ]
@@ -138,4 +188,7 @@ def plan_record(jobs: list[Job], device: str, measured: dict | None,
         "slurm_timeout_min": slurm.get("timeout_min"),
         "slurm_limit_min": slurm.get("limit_min"),
         "max_num_timeout": slurm.get("max_num_timeout"),
+        "launcher_calls": {
+            str(index): launcher_limits(members) for index, members in calls_of(jobs).items()
+        },
     }

@@ -96,7 +96,8 @@ def _evaluation(job, shape, device, share) -> float:
 
 
 def estimate(job, device_name: str, measured: dict | None = None) -> dict:
-    """Seconds per step, GPU-hours and peak GiB of one job on `device_name`, with the basis."""
+    """Seconds per step, GPU-hours and peak GiB of one job on `device_name` against its usable
+    GiB (`fits`), with the basis."""
     device = cm.get_device(device_name)
     shape = job.shape
     if shape is None:
@@ -112,17 +113,19 @@ def estimate(job, device_name: str, measured: dict | None = None) -> dict:
     out["total_s"] = out["train_s"] + out["eval_s"]
     out["gpu_hours"] = out["total_s"] / 3600
     out["peak_gib"] = cm.gib(_peak(job, shape, job.checkpointing))
-    if job.train_steps and out["peak_gib"] > device.memory_gib and not job.checkpointing:
+    if job.train_steps and out["peak_gib"] > device.usable_gib and not job.checkpointing:
         out["checkpointed_peak_gib"] = cm.gib(_peak(job, shape, True))
     elif job.train_steps and job.checkpointing:  # what turning it off would buy, if it fits
         peak = cm.gib(_peak(job, shape, False))
-        if peak <= device.memory_gib:
+        if peak <= device.usable_gib:
             unchecked = SimpleNamespace(**{**vars(job), "checkpointing": False})
             out["uncheckpointed"] = {
                 "peak_gib": peak,
                 "step_s": _train(unchecked, shape, device, share)[0],
             }
-    out["fits"] = out["peak_gib"] <= device.memory_gib
+    # usable: what CUDA reports for the device; the peak holds the CUDA context already
+    out["usable_gib"] = device.usable_gib
+    out["fits"] = out["peak_gib"] <= device.usable_gib
     source = "measured" if "train" in measured else "assumed"
     width, known = batch_width(job, job.batch)
     tokens = (
@@ -134,15 +137,32 @@ def estimate(job, device_name: str, measured: dict | None = None) -> dict:
     return out
 
 
+# Rows of logits a letter-format MCQA training example has the objective read: the answer
+# slot, and for the answer's cross-entropy its response tokens (the letter and the chat
+# template's end-of-turn marker: a handful of tokens; 8 is a bound, not a measurement).
+MCQA_RESPONSE_ROWS = 8
+
+
+def selected_rows(job, batch: int) -> int:
+    """Logit rows a training batch's objective reads (cost_model.FULL_LOGIT_BYTES): a few per
+    MCQA example (its answer), every position of instruction data (Alpaca, PopQA: every
+    response token; at the max_length peak all positions, an upper bound)."""
+    if job.mcqa_training:
+        return batch * MCQA_RESPONSE_ROWS
+    return batch * job.max_length
+
+
 def _peak(job, shape, checkpointing: bool) -> float:
     if not job.train_steps:
         models = [(shape, job.quantized)]
         if job.reference_shape is not None:
             models.append((job.reference_shape, job.reference_quantized))
-        return cm.inference_peak_bytes(models, job.eval_batch * job.eval_max_length)
+        kept = job.eval_batch * job.eval_kept_positions
+        return cm.inference_peak_bytes(models, job.eval_batch * job.eval_max_length, kept)
     lora = cm.lora_parameters(shape, job.lora_r)
-    tokens = max(job.batch, job.heldout_batch) * job.max_length
-    return cm.peak_bytes(shape, job.quantized, tokens, lora, checkpointing, job.traits.bilevel)
+    batch = max(job.batch, job.heldout_batch)
+    return cm.peak_bytes(shape, job.quantized, batch * job.max_length, lora, checkpointing,
+                         job.traits.bilevel, selected_rows(job, batch))  # fmt: skip
 
 
 def calm_ratios(costs: dict) -> list[str]:

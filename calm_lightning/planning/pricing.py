@@ -16,6 +16,10 @@ from calm_lightning.planning.jobs import CONF_PACKAGE, Job, describe, group_opti
 # Head-room on the longest job's estimate for a SLURM time limit: the estimate is an upper
 # bound on tokens but assumes a utilisation, and a job killed at its limit loses its work.
 SLURM_MARGIN = 0.25
+# The least time a job asks SLURM for: the plan prices no start-up (a 7B model's weights read
+# and quantized, the data read and tokenized: minutes), and submitit signals the job
+# `signal_delay_s` (5 min, conf/hydra/launcher/slurm.yaml) before its limit to checkpoint.
+MIN_TIMEOUT_MIN = 60
 
 
 def price(jobs: list[Job], device: str, measured: dict | None) -> None:
@@ -88,8 +92,13 @@ def base_cache_line(jobs: list[Job]) -> str:
 
 
 def slurm_limit_min(jobs: list[Job]) -> int:
-    """The SLURM launcher's wall-clock limit per job: a `hydra.launcher.timeout_min=` every
-    job passes, else conf/hydra/launcher/slurm.yaml's."""
+    """The SLURM launcher's wall-clock limit per job: the one the jobs' call composed
+    (`hydra.launcher.timeout_min`, from the command line or the launcher's config, where they
+    run under a launcher with a limit), else a `hydra.launcher.timeout_min=` every job passes,
+    else conf/hydra/launcher/slurm.yaml's (what `hydra/launcher=slurm` would give them)."""
+    composed = {j.launcher_limit_min for j in jobs}
+    if len(composed) == 1 and None not in composed:
+        return int(composed.pop())
     given = {o.split("=", 1)[1] for j in jobs for o in j.overrides
              if o.startswith("hydra.launcher.timeout_min=")}  # fmt: skip
     if len(given) == 1 and all(
@@ -113,3 +122,55 @@ def slurm_suggestion(longest_gpu_hours: float, jobs: list[Job]) -> dict:
 def slurm_timeout_min(gpu_hours: float) -> int:
     """A SLURM wall-clock limit for a one-GPU job of `gpu_hours`, with the margin."""
     return math.ceil(gpu_hours * 60 * (1 + SLURM_MARGIN))
+
+
+def job_launcher_limits(job: Job, limit_min: int | None = None) -> dict:
+    """What one priced job needs from the SLURM launcher (empty without an estimate):
+    `needed_min`, its time with the margin; `limit_min`, the launcher's limit (`limit_min`, else
+    `slurm_limit_min`); `timeout_min`, the shorter of the two but at least MIN_TIMEOUT_MIN (a
+    short job asks for less, which SLURM schedules sooner); `max_num_timeout`,
+    ceil(needed / timeout_min), at least 1: a job needs ceil(needed / limit) - 1 requeues, and
+    the one more is room for the work lost at each cut (a requeued job resumes from its last
+    checkpoint)."""
+    hours = job.estimate.get("gpu_hours")
+    if hours is None:
+        return {}
+    limit = int(limit_min or slurm_limit_min([job]))
+    needed = max(slurm_timeout_min(hours), 1)
+    timeout = min(max(needed, MIN_TIMEOUT_MIN), limit)
+    return {
+        "needed_min": needed,
+        "limit_min": limit,
+        "timeout_min": timeout,
+        "max_num_timeout": math.ceil(needed / timeout),
+    }
+
+
+def launcher_limits(jobs: list[Job]) -> dict:
+    """What the jobs of one `calm_lightning.run` call need from the launcher, which gives all
+    of them the same limit and requeues: the most any of them needs (`job_launcher_limits`);
+    empty when none has an estimate."""
+    limit = slurm_limit_min(jobs)
+    each = [job_launcher_limits(job, limit) for job in jobs]
+    each = [e for e in each if e]
+    return max(each, key=lambda e: e["needed_min"]) if each else {}
+
+
+def launcher_overrides(jobs: list[Job]) -> list[str]:
+    """`launcher_limits` as the Hydra overrides a sweep script adds to the call's command
+    (multirun_sweeps/lib.sh, under hydra/launcher=slurm)."""
+    limits = launcher_limits(jobs)
+    if not limits:
+        return []
+    return [
+        f"hydra.launcher.timeout_min={limits['timeout_min']}",
+        f"hydra.launcher.max_num_timeout={limits['max_num_timeout']}",
+    ]
+
+
+def calls_of(jobs: list[Job]) -> dict[int, list[Job]]:
+    """The jobs grouped by the `calm_lightning.run` call that launches them, in order."""
+    calls: dict[int, list[Job]] = {}
+    for job in jobs:
+        calls.setdefault(job.call, []).append(job)
+    return calls

@@ -69,6 +69,13 @@ def expand(overrides: list[str]) -> list[list[str]]:
 def expand_call(overrides: list[str]) -> tuple[list[list[str]], bool]:
     """`expand`'s jobs, and whether they run as a multirun (one sweep folder, whose base cache
     the jobs share) rather than as one run in its own folder."""
+    jobs, multirun, _ = _expand(overrides)
+    return jobs, multirun
+
+
+def _expand(overrides: list[str]) -> tuple[list[list[str]], bool, int | None]:
+    """`expand_call`'s jobs and mode, and the call's launcher time limit in minutes
+    (`hydra.launcher.timeout_min`: SLURM's; None for a launcher without one)."""
     from hydra.types import RunMode
 
     flag = any(o in ("--multirun", "-m") for o in overrides)
@@ -84,9 +91,11 @@ def expand_call(overrides: list[str]) -> tuple[list[list[str]], bool]:
             "runs (e.g. Optuna's n_trials); only the basic sweeper's grids can be listed"
         )
     multirun = hydra_cfg.mode == RunMode.MULTIRUN or flag
+    limit = hydra_cfg.launcher.get("timeout_min")
+    limit = int(limit) if limit is not None else None
     if not multirun and not any(o.is_sweep_override() for o in parsed):
-        return [task], False
-    return basic_sweeper_jobs(hydra_cfg.sweeper.get("params") or {}, task), True
+        return [task], False, limit
+    return basic_sweeper_jobs(hydra_cfg.sweeper.get("params") or {}, task), True, limit
 
 
 def plan(target: str, extra: list[str], device: str | None = None,
@@ -98,9 +107,12 @@ def plan(target: str, extra: list[str], device: str | None = None,
     measured = cost_model.calibrate(costs) if costs else None
     jobs = []
     for index, call in enumerate(sweep_calls(target, extra)):
-        expanded, multirun = expand_call(call)
+        expanded, multirun, limit = _expand(call)
         sweep = _sweep_folder(call, index) if multirun else None
-        jobs += [describe(job, sweep) for job in expanded]
+        for overrides in expanded:
+            job = describe(overrides, sweep)
+            job.call, job.launcher_limit_min = index, limit
+            jobs.append(job)
     price(jobs, device, measured)
     return jobs
 
