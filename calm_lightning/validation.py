@@ -64,16 +64,18 @@ def rule_tables(method_cls) -> dict[str, dict]:
     }
 
 
-def validate_config(cfg, method_cls, sources: dict) -> None:
-    """Every check of a composed config that needs neither data nor weights (module doc)."""
+def validate_config(cfg, method_cls, sources: dict, cuda: bool | None = None) -> None:
+    """Every check of a composed config that needs neither data nor weights (module doc).
+    `cuda`: judge the quantization refusals as on a machine with (or without) a CUDA GPU
+    (None: this machine; `preflight` checks a GPU job on a login node with True)."""
     for node, rules in rule_tables(method_cls).items():
         values = _plain(cfg, node, rules)
         if node and not values:  # an empty group (reference_model=none, method without a head)
             continue
         check_values(node, values, rules)
     method_cls.check_requirements(cfg, sources)
-    check_quantization(cfg)
-    check_strategy(cfg)
+    check_quantization(cfg, cuda)
+    check_strategy(cfg, cuda)
     check_parallel_jobs(cfg)
     if cfg.model.get("source") == "tiny":
         check_random_model(_plain(cfg, "model", {}))
@@ -89,7 +91,7 @@ def _plain(cfg, node: str, rules: dict):
     return OmegaConf.to_container(value, resolve=True) if value is not None else {}
 
 
-def check_quantization(cfg) -> None:
+def check_quantization(cfg, cuda: bool | None = None) -> None:
     """The loader's quantization refusals, said before anything loads: `nf4` without CUDA or
     bitsandbytes, and `auto` on CUDA without bitsandbytes for a model of 3B parameters or more
     (its size from its shape, models/model_node.py; a model of no known shape is counted from
@@ -102,17 +104,17 @@ def check_quantization(cfg) -> None:
             continue  # no model, or model=tiny (fp32, never quantized: check_random_model)
         default = "none" if node.get("source") == "tiny" else "auto"
         quantization = str(node.get("quantization", default))
-        resolve_quantization(quantization, model_parameters(node), key, warn=False)
+        resolve_quantization(quantization, model_parameters(node), key, warn=False, cuda=cuda)
 
 
-def check_strategy(cfg) -> None:
+def check_strategy(cfg, cuda: bool | None = None) -> None:
     """Strategy x quantization pairs that cannot work (the method's own refusals, e.g. CALM
     under FSDP, are in its `check_requirements`)."""
     quantization = str(cfg.model.get("quantization", "none"))
     four_bit = quantization == "nf4" or (
         quantization != "none"
         and resolve_quantization(
-            quantization, model_parameters(_plain(cfg, "model", {})), warn=False
+            quantization, model_parameters(_plain(cfg, "model", {})), warn=False, cuda=cuda
         )  # fmt: skip
     )
     if uses_fsdp(cfg.get("trainer")) and four_bit:

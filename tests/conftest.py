@@ -4,7 +4,10 @@ import from each other or from this file (tests/test_layout.py checks)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import shutil
 from pathlib import Path
 
 # Nothing in the test suite may reach the Hugging Face Hub.
@@ -256,3 +259,75 @@ def fit_on_demo(demo_datamodule, tokenizer, tmp_path):
         return trainer
 
     return fit
+
+
+# ----- a real SentencePiece tokenizer (Zephyr's) and a tiny Mistral around it -----
+# Zephyr-7B-beta's chat template, the `chat_template` of HuggingFaceH4/zephyr-7b-beta's
+# tokenizer_config.json on the Hub: every turn `<|role|>\n{content}</s>\n`, the generation
+# prompt `<|assistant|>\n`, and no BOS written.
+ZEPHYR_TEMPLATE = (
+    "{% for message in messages %}\n"
+    "{% if message['role'] == 'user' %}\n"
+    "{{ '<|user|>\n' + message['content'] + eos_token }}\n"
+    "{% elif message['role'] == 'system' %}\n"
+    "{{ '<|system|>\n' + message['content'] + eos_token }}\n"
+    "{% elif message['role'] == 'assistant' %}\n"
+    "{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+    "{% endif %}\n"
+    "{% if loop.last and add_generation_prompt %}\n"
+    "{{ '<|assistant|>' }}\n"
+    "{% endif %}\n"
+    "{% endfor %}"
+)
+
+
+def _sentencepiece_file() -> Path:
+    spec = importlib.util.find_spec("mistral_common")
+    if spec is None or spec.origin is None:
+        pytest.skip("mistral-common (the dev extra) is not installed")
+    return Path(spec.origin).parent / "data" / "tokenizer.model.v1"
+
+
+@pytest.fixture(scope="session")
+def zephyr(tmp_path_factory):
+    """The Mistral v1 tokenizer as Zephyr ships it: BOS added by default, no EOS, legacy
+    SentencePiece spaces, Zephyr's template, `</s>` as padding (as the loader sets it)."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("mistral-v1")
+    shutil.copy(_sentencepiece_file(), folder / "tokenizer.model")
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "legacy": True}
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_eos_token": False}))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = ZEPHYR_TEMPLATE
+    tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _tiny_mistral(vocab_size: int):
+    """A 2-layer, 64-wide random MistralForCausalLM over `vocab_size` tokens."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral():
+    """tiny_mistral(vocab_size): a 2-layer random MistralForCausalLM (seeded)."""
+    return _tiny_mistral
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_folder(zephyr, tmp_path_factory) -> Path:
+    """A tiny random MistralForCausalLM with the Mistral v1 vocabulary, saved with Zephyr's
+    tokenizer: what `model=mistral model.local_path=<folder>` loads."""
+    folder = tmp_path_factory.mktemp("tiny-mistral") / "zephyr-shaped"
+    _tiny_mistral(len(zephyr)).save_pretrained(folder)
+    zephyr.save_pretrained(folder)
+    return folder

@@ -104,7 +104,9 @@ def test_option_token_disagreement_fails_clearly(tmp_path, monkeypatch, compose)
     monkeypatch.setattr(
         reference,
         "option_token_candidates",
-        lambda tok, n: {s: OptionTokens(s, (1, 2, 3, 4), "ABCD") for s in ("bare", "space")},
+        lambda tok, n, prompt=None: {
+            s: OptionTokens(s, (1, 2, 3, 4), "ABCD") for s in ("bare", "space")
+        },
     )
     cfg = compose(_pair("daca", tmp_path, ["method.module.use_cache=false"]), tmp_path)
     with pytest.raises(ConfigError, match="disagree on the option tokens"):

@@ -46,8 +46,10 @@ def _generate(lm, tokenizer, prompt: str, calls: int, per_call: int, max_new_tok
     """`calls` generate calls drawing `per_call` answers each, pure sampling at temperature 1."""
     import torch
 
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    ids = ids.to(lm.device)
+    from calm_lightning.data.tokens import encode_prompt
+
+    # The prompt as the cached sampler encodes it (BOS where the model takes one).
+    ids = torch.tensor([encode_prompt(tokenizer, prompt)], device=lm.device)
     for _ in range(calls):
         with torch.no_grad():
             lm.generate(

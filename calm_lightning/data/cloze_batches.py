@@ -13,6 +13,7 @@ import torch
 from calm_lightning.data.collate import IGNORE_INDEX, pad_left
 from calm_lightning.data.prompts import render_conversation
 from calm_lightning.data.records import MCQARecord
+from calm_lightning.data.tokens import cut_left, encode_prompt
 
 PROMPTS = ("chat", "plain")
 
@@ -32,13 +33,14 @@ def encode_question(
     """(prompt ids, continuation ids per option, option lengths in characters).
 
     As lm-eval does, the continuation is what encoding prompt + option adds after the prompt's
-    own encoding (so a merge across the boundary stays in the option); a prompt longer than
-    `max_length` minus the longest option loses tokens from the left."""
+    own encoding (so a merge across the boundary stays in the option); the prompt starts with
+    the BOS id where the model takes one (data/tokens.py), and a prompt longer than
+    `max_length` minus the longest option loses tokens from the left, BOS kept."""
     conts, chars, context_ids = [], [], None
     for option in options:
         context, cont = _render(tokenizer, question, option, prompt)
-        ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
-        whole = tokenizer(context + cont, add_special_tokens=False)["input_ids"]
+        ctx = encode_prompt(tokenizer, context)
+        whole = encode_prompt(tokenizer, context + cont)
         if whole[: len(ctx)] == ctx and len(whole) > len(ctx):
             ids = whole[len(ctx) :]
         else:
@@ -51,7 +53,7 @@ def encode_question(
         chars.append(len(option))
     if max_length is not None:
         room = max(1, max_length - max(len(c) for c in conts))
-        context_ids = context_ids[-room:]
+        context_ids = cut_left(tokenizer, context_ids, room)
     return context_ids, conts, chars
 
 
@@ -130,7 +132,7 @@ class ClozeTrainingCollator:
             ctx, conts, chars = encode_question(self.tokenizer, r.question, r.choices, self.prompt)
             room = max(1, self.max_length - max(len(c) for c in conts))  # as encode_question
             self.stats["prompt_truncated"] += int(len(ctx) > room)
-            encoded.append((ctx[-room:], conts, chars))
+            encoded.append((cut_left(self.tokenizer, ctx, room), conts, chars))
         k = len(records[0].choices)
         if any(len(r.choices) != k for r in records):
             raise ValueError("cloze training needs the same number of options in every question")

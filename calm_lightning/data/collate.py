@@ -17,15 +17,10 @@ from calm_lightning.data.prompts import (
     render_prompt,
 )
 from calm_lightning.data.records import InstructionRecord, MCQARecord, OpenQARecord
+from calm_lightning.data.tokens import cut_left, encode_prompt, split_joint
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    # Rendered templates already carry their special tokens (BOS included where the model
-    # uses one); letting the tokenizer add them again would double the BOS.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @dataclass
@@ -42,14 +37,19 @@ class MCQACollator:
     def truncated(self) -> int:
         return len(self.truncated_ids)
 
+    def prompt_ids(self, record: MCQARecord) -> tuple[list[int], bool]:
+        """A question's prompt ids as scored (data/tokens.py: BOS where the model takes one),
+        cut from the left to `max_length` (the options and the answer slot are at the end),
+        and whether they were cut."""
+        ids = encode_prompt(self.tokenizer, render_prompt(self.tokenizer, mcqa_user_text(record)))
+        return cut_left(self.tokenizer, ids, self.max_length), len(ids) > self.max_length
+
     def __call__(self, records: list[MCQARecord]) -> dict:
         rows = []
         for record in records:
-            ids = _encode(self.tokenizer, render_prompt(self.tokenizer, mcqa_user_text(record)))
-            if len(ids) > self.max_length:
-                # Cut from the left: the options and the answer slot are at the end.
+            ids, cut = self.prompt_ids(record)
+            if cut:
                 self.truncated_ids.add(record.id)
-                ids = ids[-self.max_length :]
             rows.append(ids)
         input_ids, attention_mask = pad_left(rows, self.tokenizer.pad_token_id)
         return {
@@ -70,6 +70,11 @@ class OpenQACollator:
 
     tokenizer: object
     truncated: int = 0  # prompts are short questions; never cut (kept for the data summary)
+
+    def prompt_ids(self, record: OpenQARecord) -> tuple[list[int], bool]:
+        """A question's prompt ids as the sampler encodes them (never cut)."""
+        text = render_prompt(self.tokenizer, openqa_user_text(record))
+        return encode_prompt(self.tokenizer, text), False
 
     def __call__(self, records: list[OpenQARecord]) -> dict:
         return {
@@ -108,17 +113,16 @@ class InstructionCollator:
         prompt, response = render_conversation(
             self.tokenizer, instruction_user_text(record), record.output
         )
-        prompt_ids, response_ids = (
-            _encode(self.tokenizer, prompt),
-            _encode(self.tokenizer, response),
-        )
+        # The response's ids as they follow the prompt (the MCQA answer letter included: the
+        # id letter scoring reads at the answer slot), not the response encoded alone.
+        prompt_ids, response_ids = split_joint(self.tokenizer, prompt, response)
         if len(response_ids) >= self.max_length:
             self.stats["response_truncated"] += 1
             response_ids = response_ids[: self.max_length - 1]
         room = self.max_length - len(response_ids)
         if len(prompt_ids) > room:
             self.stats["prompt_truncated"] += 1
-            prompt_ids = prompt_ids[-room:]
+            prompt_ids = cut_left(self.tokenizer, prompt_ids, room)
         ids = prompt_ids + response_ids
         labels = [IGNORE_INDEX] * len(prompt_ids) + response_ids
         return ids, labels

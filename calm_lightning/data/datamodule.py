@@ -214,8 +214,12 @@ class CalibrationDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
         )
 
-    def summary(self) -> dict:
-        """Split sizes, sources and truncation counts, for the run's output dir."""
+    def summary(self, option_tokens: dict | None = None) -> dict:
+        """Split sizes, sources and truncation counts, for the run's output dir; with a
+        tokenizer and a test split, `tokenization` (what the model was fed): its BOS id, the
+        share of the test prompts that start with it (as the test collator encodes them) and
+        the option letters' ids as scored (`option_tokens`, the evaluation's record; None
+        under cloze scoring or for open QA)."""
         out = {}
         for split, source in self.sources.items():
             if source is None:
@@ -228,4 +232,20 @@ class CalibrationDataModule(L.LightningDataModule):
             out[collator.summary_key] = dict(collator.stats)
         if self._test_collator is not None:
             out["test_prompts_truncated"] = self._test_collator.truncated
+        if self.tokenizer is not None and self.records.get("test"):
+            out["tokenization"] = self.tokenization(option_tokens)
         return out
+
+    def tokenization(self, option_tokens: dict | None = None) -> dict:
+        """The `tokenization` record of `summary`."""
+        bos = self.tokenizer.bos_token_id
+        test = self.records["test"]
+        starts = sum(self.test_collator.prompt_ids(r)[0][:1] == [bos] for r in test)
+        tokens = option_tokens or {}
+        # Cloze scoring records no letter ids (it scores the option texts).
+        ids = dict(zip(tokens.get("letters", ""), tokens.get("ids", ()), strict=False))
+        return {
+            "bos_token_id": bos,
+            "test_prompts_starting_with_bos": starts / len(test),
+            "option_token_ids": ids or None,
+        }

@@ -10,10 +10,19 @@ from dataclasses import dataclass
 import torch
 
 from calm_lightning.data.collate import first_response_positions
-from calm_lightning.data.prompts import OPTION_LETTERS
+from calm_lightning.data.prompts import (
+    OPTION_LETTERS,
+    mcqa_user_text,
+    render_conversation,
+    render_prompt,
+)
+from calm_lightning.data.records import MCQARecord
+from calm_lightning.data.tokens import split_joint, text_ids_after
+from calm_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
 STYLES = ("auto", "bare", "space")
+SPELLINGS = (("bare", ""), ("space", " "))
 
 
 @dataclass(frozen=True)
@@ -28,27 +37,79 @@ class OptionTokens:
         return torch.tensor(self.ids, dtype=torch.long, device=device)
 
 
-def option_token_candidates(tokenizer, n_options: int = 4) -> dict[str, OptionTokens]:
-    """The spellings of the letters that are one token each: bare "A" and space-prefixed " A"."""
+def _placeholder_question(n_options: int) -> str:
+    # Every MCQA prompt ends the same way (the template's assistant turn), so any question
+    # gives the context the letters are read in.
+    return mcqa_user_text(MCQARecord("letters", "?", tuple("?" * n_options), 0))
+
+
+def answer_slot_prompt(tokenizer, n_options: int = 4) -> str:
+    """A rendered MCQA prompt, ending at the answer slot: where the letters are read."""
+    return render_prompt(tokenizer, _placeholder_question(n_options))
+
+
+def _in_context(tokenizer, prompt: str, text: str) -> str:
+    ids = text_ids_after(tokenizer, prompt, text)
+    if ids is None:
+        return f"{text!r}: merges with the prompt's end"
+    return f"{text!r}: {tokenizer.convert_ids_to_tokens(ids)}"
+
+
+def option_token_candidates(
+    tokenizer, n_options: int = 4, prompt: str | None = None
+) -> dict[str, OptionTokens]:
+    """The spellings of the letters that are one token each where they are read: bare "A" and
+    space-prefixed " A", each the id the joint encoding of the prompt (`prompt`, default
+    `answer_slot_prompt`) + the letter adds after the prompt. A letter encoded alone can be
+    another token (SentencePiece spells "A" alone `▁A`, after a newline `A`)."""
     letters = OPTION_LETTERS[:n_options]
+    prompt = answer_slot_prompt(tokenizer, n_options) if prompt is None else prompt
     found = {}
-    for style, prefix in (("bare", ""), ("space", " ")):
-        ids = []
-        for letter in letters:
-            encoded = tokenizer(prefix + letter, add_special_tokens=False)["input_ids"]
-            # SentencePiece tokenizers may emit a lone "▁" before a bare letter; keep only
-            # single-token spellings, which are what a model can emit in one step.
-            if len(encoded) != 1:
-                break
-            ids.append(encoded[0])
-        if len(ids) == n_options and len(set(ids)) == n_options:
-            found[style] = OptionTokens(style, tuple(ids), letters)
+    for style, prefix in SPELLINGS:
+        ids = [text_ids_after(tokenizer, prompt, prefix + letter) for letter in letters]
+        # Only single-token spellings are what a model can emit in one step.
+        if all(i is not None and len(i) == 1 for i in ids) and len({i[0] for i in ids}) == len(ids):
+            found[style] = OptionTokens(style, tuple(i[0] for i in ids), letters)
     if not found:
-        raise ValueError(f"no single-token spelling of the option letters {letters!r} exists")
+        spelled = "; ".join(
+            _in_context(tokenizer, prompt, prefix + letter)
+            for _, prefix in SPELLINGS
+            for letter in letters
+        )
+        raise ConfigError(
+            f"the option letters {letters!r} are not one token each after the MCQA prompt "
+            f"(neither bare nor space-prefixed): {spelled}. Letter scoring reads one token per "
+            "option; use evaluation.scoring=cloze for this tokenizer."
+        )
     # Identical id sets (some tokenizers ignore a leading space) are one candidate.
     if "bare" in found and "space" in found and found["bare"].ids == found["space"].ids:
         del found["space"]
     return found
+
+
+def training_letter_ids(tokenizer, n_options: int = 4) -> OptionTokens:
+    """The letters' ids as letter-format training targets spell them: the first response
+    token of each letter's rendered training conversation, in the joint encoding of prompt +
+    response the training collator uses (data/collate.py). A letter that is not one token
+    there (merged with the prompt or with what follows it) is refused."""
+    letters = OPTION_LETTERS[:n_options]
+    ids = []
+    for letter in letters:
+        prompt, response = render_conversation(tokenizer, _placeholder_question(n_options), letter)
+        spelled = response[: response.index(letter) + 1]  # up to the letter (" A" in plain)
+        letter_ids = text_ids_after(tokenizer, prompt, spelled)
+        _, response_ids = split_joint(tokenizer, prompt, response)
+        if letter_ids is None or len(letter_ids) != 1 or response_ids[:1] != letter_ids:
+            raise ConfigError(
+                f"the training answer {response!r} does not start with the letter as one token "
+                f"after the prompt ({_in_context(tokenizer, prompt, spelled)}, the response: "
+                f"{tokenizer.convert_ids_to_tokens(response_ids)}); letter-format training "
+                "reads one token per letter: use evaluation.scoring=cloze for this tokenizer."
+            )
+        ids.append(letter_ids[0])
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"the training letters {letters!r} share token ids {ids}")
+    return OptionTokens("space" if spelled.startswith(" ") else "bare", tuple(ids), letters)
 
 
 @torch.no_grad()
@@ -72,7 +133,11 @@ def choose_option_tokens(
     candidates = option_token_candidates(tokenizer, n_options)
     if style != "auto":
         if style not in candidates:
-            raise ValueError(f"the letters have no single-token '{style}' spelling here")
+            raise ConfigError(
+                f"evaluation.option_tokens={style}: the option letters have no single-token "
+                f"'{style}' spelling after the MCQA prompt here; use one of "
+                f"{', '.join(['auto', *candidates])}"
+            )
         return candidates[style]
     if len(candidates) == 1 or probe_batch is None:
         return next(iter(candidates.values()))

@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from calm_lightning.data.collate import pad_left
+from calm_lightning.data.tokens import encode_prompt
 from calm_lightning.models.calibrated_lm import positions_from_mask
 
 
@@ -89,7 +90,7 @@ def sample_answers(
     answers: list[list[str]] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in chunk]
+        rows = [encode_prompt(tokenizer, p) for p in chunk]  # BOS as the model takes it
         ids, mask = pad_left(rows, tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         logits, cache = prefill_repeated(model.lm, ids, mask, n)

@@ -39,12 +39,17 @@ from calm_lightning.evaluation.mcqa import (
     OptionTokens,
     answer_slot_rows,
     choose_option_tokens,
-    option_token_candidates,
     score_options,
+    training_letter_ids,
 )
 
 # Stands in for the letter tokens in the result files of a cloze evaluation.
 CLOZE_OPTION_TOKENS = OptionTokens("cloze", (), OPTION_LETTERS)
+# How a rendered prompt's ids start (data/tokens.py `encode_prompt`), for the export's record.
+BOS_RULE = (
+    "the tokenizer's bos_token_id first when encoding a text with its default special tokens "
+    "puts it there and the rendered text does not already start with it"
+)
 
 
 class OptionPredictions(NamedTuple):
@@ -180,9 +185,9 @@ class LetterScorer(MCQAScorer):
         return score_options(model, batch, option_tokens).double(), None
 
     def training_option_ids(self, tokenizer) -> torch.Tensor:
-        candidates = option_token_candidates(tokenizer)
-        style = self.option_token_style if self.option_token_style in candidates else None
-        return candidates[style or next(iter(candidates))].tensor()
+        # The ids the training labels hold at the answer slot (the joint encoding of prompt +
+        # answer letter), whatever spelling evaluation scores.
+        return training_letter_ids(tokenizer).tensor()
 
     def training_logits(self, model, batch, option_ids=None, params=None, answer_ce=False):
         raw = model.raw_logits(batch["input_ids"], batch["attention_mask"], params=params)
@@ -225,6 +230,7 @@ class LetterScorer(MCQAScorer):
             "tokenize=False, add_generation_prompt=True)",
             "plain": None if chat else "{bos}" + PLAIN_SYSTEM + " USER: {user_text} ASSISTANT:",
             "add_special_tokens": False,
+            "bos": BOS_RULE,
             "scored_position": "the next token after the prompt (the answer slot)",
             "max_length": max_length,
         }
@@ -371,6 +377,7 @@ class ClozeScorer(MCQAScorer):
             "normalize": self.normalize,
             "probabilities": "softmax over the options of the (normalized) option scores",
             "add_special_tokens": False,
+            "bos": BOS_RULE,
             "max_length": max_length,
         }
 

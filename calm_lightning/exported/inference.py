@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from calm_lightning.data.prompts import render_prompt
+from calm_lightning.data.tokens import encode_prompt
 from calm_lightning.evaluation.mcqa import OptionTokens, option_token_candidates
 from calm_lightning.evaluation.scorers import scorer_from_prompt
 from calm_lightning.models.calibrated_lm import ADAPTER_DIR, CalibratedLM
@@ -72,8 +73,13 @@ class CalibratedModel:
         """
         from transformers import LogitsProcessorList
 
-        text = render_prompt(self.tokenizer, prompt) if chat else prompt
-        encoded = self.tokenizer(text, add_special_tokens=not chat, return_tensors="pt")
+        if chat:  # as evaluation feeds it: BOS where the model takes one (data/tokens.py)
+            ids = torch.tensor(
+                [encode_prompt(self.tokenizer, render_prompt(self.tokenizer, prompt))]
+            )
+            encoded = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        else:
+            encoded = dict(self.tokenizer(prompt, return_tensors="pt"))
         encoded = {k: v.to(self.device) for k, v in encoded.items()}
         generate_kwargs.setdefault("max_new_tokens", 64)
         generate_kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)

@@ -37,6 +37,7 @@ from calm_lightning.calibrators.reference import (
 from calm_lightning.config_rules import Number, OneOf
 from calm_lightning.data.collate import pad_left
 from calm_lightning.data.prompts import mcqa_plain_prompt, mcqa_user_text, render_prompt
+from calm_lightning.data.tokens import cut_left, encode_prompt
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.mcqa import OptionTokens, option_token_candidates
 from calm_lightning.methods.base import PosthocTemperature
@@ -45,7 +46,9 @@ from calm_lightning.runtime.distributed import is_main_process
 
 log = logging.getLogger(__name__)
 
-LENS_CACHE_VERSION = 2  # 2: the PLM's prompt (`reference_prompt`) is part of the key
+# 2: the PLM's prompt (`reference_prompt`) is part of the key; 3: prompts get BOS where the
+# tokenizer adds one by default, letters are read from the joint encoding (data/tokens.py)
+LENS_CACHE_VERSION = 3
 REFERENCE_PROMPTS = ("plain", "chat")
 NOT_COMPARABLE = (
     "%s: the %s (%s) is loaded in 4-bit nf4. The Dual-Align paper compares unquantized models, "
@@ -196,7 +199,9 @@ class ReferenceTemperature(PosthocTemperature):
         loaded = load_language_model(self.reference_cfg)
         if loaded.quantized:
             log.warning(NOT_COMPARABLE, type(self).__name__, "PLM", loaded.name, "reference_model")
-        candidates = option_token_candidates(loaded.tokenizer, n_options)
+        # The PLM's letters where it reads them: after the prompt it is given.
+        context = self._reference_text(next(iter(self._records.values())))
+        candidates = option_token_candidates(loaded.tokenizer, n_options, prompt=context)
         theirs = candidates.get(self.option_tokens.style)
         if theirs is None or theirs.ids != self.option_tokens.ids:
             raise ConfigError(
@@ -211,18 +216,23 @@ class ReferenceTemperature(PosthocTemperature):
         loaded.model.eval()
         return loaded
 
+    def _reference_text(self, record) -> str:
+        """The text the PLM reads for one fit question (`reference_prompt`)."""
+        if self.reference_prompt == "chat":
+            return render_prompt(self.tokenizer, mcqa_user_text(record))
+        return mcqa_plain_prompt(record)
+
     def _reference_ids(self, record) -> list[int]:
         """The PLM's token ids for one fit question (`reference_prompt`), cut from the left to
         the evaluation length."""
         tok = self._reference.tokenizer
+        text = self._reference_text(record)
         if self.reference_prompt == "chat":
-            # The PoLM's rendered template carries its special tokens already (as in
-            # MCQACollator); the PLM re-tokenizes that text.
-            text = render_prompt(self.tokenizer, mcqa_user_text(record))
-            return tok(text, add_special_tokens=False)["input_ids"][-self._max_length :]
+            # The PoLM's rendered template, re-tokenized by the PLM as MCQACollator encodes a
+            # prompt (data/tokens.py: the PLM's BOS where it takes one, kept when cut).
+            return cut_left(tok, encode_prompt(tok, text), self._max_length)
         # No template: the PLM's tokenizer adds its own special tokens (BOS where it uses one),
         # which are kept when a long prompt is cut.
-        text = mcqa_plain_prompt(record)
         ids = tok(text)["input_ids"]
         if len(ids) > self._max_length:
             added = len(ids) - len(tok(text, add_special_tokens=False)["input_ids"])

@@ -101,13 +101,14 @@ def resolve_dtype(value: str) -> torch.dtype:
 
 
 def resolve_quantization(value: str, parameters: int | None = None, key: str = "model",
-                         warn: bool = True) -> bool:  # fmt: skip
+                         warn: bool = True, cuda: bool | None = None) -> bool:  # fmt: skip
     """Whether to load in 4-bit nf4, by models/model_node.py's rule: `auto` means yes on CUDA
     when bitsandbytes is installed; on CUDA without it a model of `parameters` >= 3B is refused
     (a ConfigError naming `<key>.quantization` and the install command), a smaller or unknown
-    one loads unquantized (with a warning unless `warn` is off)."""
+    one loads unquantized (with a warning unless `warn` is off). `cuda`: decide as on a machine
+    with (or without) a CUDA GPU (None: this machine; preflight on a login node passes True)."""
     check_values(key, {"quantization": value}, {"quantization": MODEL_RULES["quantization"]})
-    cuda = cuda_available()
+    cuda = cuda_available() if cuda is None else cuda
     choice = choose_quantization(
         value, cuda=cuda, bitsandbytes=_bitsandbytes_installed(), parameters=parameters, key=key
     )
