@@ -42,6 +42,7 @@ from calm_lightning.runtime.run_record import (
     write_retention,
     write_run,
 )
+from calm_lightning.runtime.strategies import uses_fsdp
 from calm_lightning.runtime.timing import Stopwatch
 from calm_lightning.validation import check_world_size, validate_config
 
@@ -115,7 +116,8 @@ def build_trainer(cfg: DictConfig, loggers: list, job_digest: str, with_retentio
         cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=lightning_plugins()
     )
     check_world_size(trainer, with_retention)
-    set_job_device(trainer.strategy.root_device)
+    # FSDP shards the model it is handed on the CPU: its weights must not land whole on a GPU
+    set_job_device(trainer.strategy.root_device, place_weights=not uses_fsdp(cfg.trainer))
     return trainer
 
 
@@ -190,7 +192,8 @@ def _run(cfg: DictConfig, cls, sources: dict, job, ckpt_path) -> RunResult:
         extra |= {"attempts": job.attempts(), **distortion_record(distortion)}
         if cached:
             extra["base_cache"] = cached
-        result = RunResult(out, evaluation, rows, extra, data_summary=datamodule.summary())
+        summary = datamodule.summary(evaluation.summary.get("option_tokens"))
+        result = RunResult(out, evaluation, rows, extra, data_summary=summary)
         if main:
             write_run(result)
             publish_results(loggers, cfg, result)
