@@ -5,6 +5,9 @@ the architecture, and the quantization the plan assumes."""
 
 from __future__ import annotations
 
+import json
+from functools import lru_cache
+
 from omegaconf import OmegaConf
 
 from calm_lightning.planning.preflight_checks import (
@@ -25,10 +28,9 @@ def check_tokenizer(cfg, memo: Memo) -> list[Check]:
 
 
 def _tokenizer_rows(cfg) -> list[Check]:
-    from calm_lightning.models.loading import load_tokenizer
 
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    tokenizer = load_tokenizer(model)
+    tokenizer = _tokenizer(model)
     rows = tokenizer_checks(tokenizer, cfg)
     context = _model_context(cfg)
     longest = max(
@@ -118,17 +120,37 @@ def _model_context(cfg) -> int | None:
     return getattr(text, "max_position_embeddings", None) if text is not None else None
 
 
+def _tokenizer(model: dict):
+    """The node's tokenizer, read once per process: the tokenizer checks, the tiny model's
+    config and the vocabulary check all need it."""
+    return _tokenizer_of(json.dumps(model, sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=8)
+def _tokenizer_of(model_json: str):
+    from calm_lightning.models.loading import load_tokenizer
+
+    return load_tokenizer(json.loads(model_json))
+
+
 def _model_config(model: dict):
     """The transformers config the job's model would load with, without weights (None when
-    it cannot be read here: the embedded model before its first conversion)."""
+    it cannot be read here: the embedded model before its first conversion); read once per
+    process per model node, since the context and the model checks both ask."""
+    return _config_of(json.dumps(model, sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=8)
+def _config_of(model_json: str):
+    model = json.loads(model_json)
     from transformers import AutoConfig
 
     from calm_lightning.models import embedded
-    from calm_lightning.models.loading import load_tokenizer, random_model_config
+    from calm_lightning.models.loading import random_model_config
 
     source = model.get("source")
     if source == "tiny":
-        return random_model_config(model, len(load_tokenizer(model)))
+        return random_model_config(model, len(_tokenizer(model)))
     if source == "embedded" and not model.get("local_path"):
         folder = embedded.converted_dir(model.get("cache_dir"))
         if not (folder / "config.json").is_file():
@@ -155,7 +177,6 @@ def _model_rows(cfg) -> list[Check]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from calm_lightning.models.loading import load_tokenizer
     from calm_lightning.models.lora import linear_layer_names
 
     model = OmegaConf.to_container(cfg.model, resolve=True)
@@ -169,7 +190,7 @@ def _model_rows(cfg) -> list[Check]:
             )
         ]
     rows = []
-    tokenizer = load_tokenizer(model)
+    tokenizer = _tokenizer(model)
     vocab = getattr(config, "vocab_size", None) or getattr(
         getattr(config, "text_config", None), "vocab_size", None
     )
