@@ -4,7 +4,9 @@
 
 Every check uses the tiny model or a random-weight shape with the byte-level tokenizer and
 the bundled demo data: nothing is downloaded and the embedded-model wheel is not needed. Each
-prints one PASS / FAIL / SKIP line; DIR/gpu_check.json records every check's numbers. `--cpu`
+invocation writes into a fresh folder DIR/<date>-<time> (said first): a check's runs are jobs
+that a second invocation in the same folder would find finished and not train again. Each
+check prints one PASS / FAIL / SKIP line; <folder>/gpu_check.json records its numbers. `--cpu`
 runs the same checks on the CPU (the default test suite runs it, so the checks cannot rot);
 there the device-comparison checks compare two CPU computations, the collectives run on a
 gloo group and the cost ratios are reported without being judged (a shared CPU is too noisy
@@ -31,7 +33,11 @@ from calm_lightning.benchmarking.gpu_checks import (  # noqa: F401  (tests reach
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="outputs/gpu_check", help="logs and gpu_check.json")
+    parser.add_argument(
+        "--out",
+        default="outputs/gpu_check",
+        help="where each invocation makes its own <date>-<time> folder of logs and gpu_check.json",
+    )
     parser.add_argument("--cpu", action="store_true", help="the same checks on the CPU")
     parser.add_argument(
         "--only", nargs="+", metavar="CHECK", help=f"run these checks only: {', '.join(ORDER)}"
@@ -52,8 +58,8 @@ def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.cpu and not torch.cuda.is_available():
         print("FAIL cuda: no CUDA GPU visible (run with --cpu for the CPU checks)")
         return 1
-    out = Path(args.out).resolve()  # the checks' runs and file URLs need it absolute
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_folder(Path(args.out).resolve())  # the runs and file URLs need it absolute
+    print(f"gpu_check: writing to {out}", flush=True)
     checks = Checks(out, args.cpu)
     device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
     record = {"mode": "cpu" if args.cpu else "gpu", "device": device, "torch": torch.__version__,
@@ -81,6 +87,20 @@ def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"{'some checks failed: ' + ', '.join(failed) if failed else 'all checks passed'} "
           f"(json and logs in {out})")  # fmt: skip
     return 1 if failed else 0
+
+
+def fresh_folder(parent: Path) -> Path:
+    """A new folder `<parent>/<date>-<time>` (`-2`, `-3`, ... when one started this second)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        folder = parent / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(f"no free folder name under {parent}")
 
 
 def main(argv: list[str] | None = None) -> int:

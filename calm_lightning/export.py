@@ -32,7 +32,7 @@ LOGS_PROGRESS = True
 USAGE = (
     "usage: python -m calm_lightning.export run_dir=<run dir> out=<folder> "
     "[merge=true|false] [fold=auto|true|false] [overwrite=false|true] "
-    "[dtype=auto|float32|bfloat16|float16]"
+    "[dtype=auto|float32|bfloat16|float16] [trust_remote_code=false|true]"
 )
 
 
@@ -44,8 +44,11 @@ class ExportOptions:
     out: Path
     merge: bool = True  # merge LoRA adapters into the weights; false: base + PEFT adapter folder
     fold: str = "auto"  # fold the head into the weights: auto = where exact; false = never
-    overwrite: bool = False  # replace an existing `out`
+    overwrite: bool = False  # replace an existing `out`: an earlier export or an empty folder
     dtype: str = "auto"  # weights' dtype; auto = the run's (a 16-bit copy after 4-bit QLoRA)
+    # Run the base model's own code from the Hub; only ever from the command line, never from
+    # the run's config (a received run folder is data, docs/security.md).
+    trust_remote_code: bool = False
 
 
 def parse_arguments(argv: list[str]) -> ExportOptions:
@@ -58,7 +61,7 @@ def parse_arguments(argv: list[str]) -> ExportOptions:
     if missing:
         raise ExportError(f"missing {' and '.join(f'{k}=' for k in missing)}\n{USAGE}")
     options = {"run_dir": Path(values["run_dir"]), "out": Path(values["out"])}
-    for key in ("merge", "overwrite"):
+    for key in ("merge", "overwrite", "trust_remote_code"):
         if key in values:
             options[key] = parse_bool(values[key], key)
     if "dtype" in values:
@@ -76,8 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         metavar="key=value",
         help="run_dir=<run dir> out=<folder> (both required), merge=true|false (default true), "
-        "fold=auto|true|false (auto), overwrite=false|true (false), "
-        "dtype=auto|float32|bfloat16|float16 (auto); docs/export.md",
+        "fold=auto|true|false (auto), overwrite=false|true (false; replaces only an earlier "
+        "export or an empty folder), dtype=auto|float32|bfloat16|float16 (auto), "
+        "trust_remote_code=false|true (false: the base model's Hub code never runs, whatever "
+        "the run's config says); docs/export.md",
     )
 
 

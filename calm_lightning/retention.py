@@ -33,9 +33,19 @@ LOGS_PROGRESS = True
 USAGE = (
     "usage: python -m calm_lightning.retention run_dir=<run dir> [tasks=[piqa,winogrande]] "
     "[data_files.<task>=[/data/<task>.jsonl]] [limit=N] [batch_size=8] [out=<dir>] "
-    "[overwrite=false]"
+    "[overwrite=false] [trust_remote_code=false]"
 )
-KEYS = ("run_dir", "tasks", "data_files", "limit", "batch_size", "n_bins", "out", "overwrite")
+KEYS = (
+    "run_dir",
+    "tasks",
+    "data_files",
+    "limit",
+    "batch_size",
+    "n_bins",
+    "out",
+    "overwrite",
+    "trust_remote_code",
+)
 
 
 def parse_arguments(argv: list[str]) -> dict:
@@ -50,7 +60,7 @@ def parse_arguments(argv: list[str]) -> dict:
             values[key] = parse_list(text, key)
         elif key in ("limit", "batch_size", "n_bins"):
             values[key] = _integer(key, text)
-        elif key == "overwrite":
+        elif key in ("overwrite", "trust_remote_code"):
             values[key] = parse_bool(text, key)
         else:
             values[key] = text
@@ -100,9 +110,11 @@ def evaluate_run(
     arguments: dict | None = None,
     out: str | Path | None = None,
     overwrite: bool = False,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Retention of the saved run in `run_dir` (base row, then the method's when it changes
-    the model); returns the retention.json it wrote."""
+    the model); returns the retention.json it wrote. The run folder is read as data
+    (exported/saved_run.py): the base model's Hub code runs only with `trust_remote_code`."""
     from calm_lightning.evaluation.lm_eval_retention import RetentionStep
     from calm_lightning.evaluation.results import run_meta
     from calm_lightning.exported.saved_run import inspect_run, load_base_model, target_dtype
@@ -117,12 +129,13 @@ def evaluate_run(
     _check_target(out, overwrite)
     # Data first: a missing file stops before the model loads.
     retention = RetentionStep(settings_for(run.cfg, arguments or {}), out)
-    loaded = load_base_model(run, target_dtype(run))
+    loaded = load_base_model(run, target_dtype(run), trust_remote_code)
     retention.evaluate("base", CalibratedLM(loaded.model, None), loaded.tokenizer)
     if run.method_class.changes_model:
         calibrated = CalibratedLM.load(loaded.model, run.calibration_dir).eval()
         retention.evaluate(run.method, calibrated, loaded.tokenizer)
-    meta = {**run_meta(run.cfg), "run_dir": str(run.run_dir.resolve()), "source": "saved run"}
+    # The run folder's name, not its path: retention.json is shared, the machine's folders not.
+    meta = {**run_meta(run.cfg), "run_dir": run.run_dir.resolve().name, "source": "saved run"}
     path = write_retention(out, retention.record(meta))
     print(f"\nretention of {run.run_dir} (lm-eval, zero-shot; {path})")
     print(retention.table())
@@ -178,7 +191,8 @@ def add_arguments(parser) -> None:
         metavar="key=value",
         help="run_dir=<run dir or export folder> (required), tasks=[piqa,winogrande,...], "
         "data_files.<task>=[file,...], limit=N, batch_size=8, n_bins=10, out=<dir>, "
-        "overwrite=false|true; docs/retention.md",
+        "overwrite=false|true, trust_remote_code=false|true (false: the base model's Hub code "
+        "never runs, whatever the run's config says); docs/retention.md",
     )
 
 
@@ -190,6 +204,7 @@ def command(args, parser) -> int:
         arguments,
         out=arguments.pop("out", None),
         overwrite=arguments.pop("overwrite", False),
+        trust_remote_code=arguments.pop("trust_remote_code", False),
     )
     return 0
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU acceptance checks, runnable on an offline node: no download, no model cache and no
 # embedded-model wheel (the tiny model and random-weight shapes, the byte-level tokenizer, the
-# bundled demo data). Prints one PASS / FAIL / SKIP line per check, writes <out>/gpu_check.json
-# and exits non-zero if any check failed; logs go to <out>/<check>/.
+# bundled demo data). Each invocation writes into a fresh folder <out>/<date>-<time> (printed
+# first; <out> is outputs/gpu_check unless --out says otherwise), so a rerun checks afresh. Prints
+# one PASS / FAIL / SKIP line per check, writes <folder>/gpu_check.json and exits non-zero if any
+# check failed; logs go to <folder>/<check>/.
 #
 #   bash scripts/gpu_check.sh                  # on a GPU node (a few minutes on one GPU)
 #   bash scripts/gpu_check.sh --cpu            # the same checks on the CPU (about a minute)
@@ -20,7 +22,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=outputs/gpu_check
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 ARGS=()
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;

@@ -210,9 +210,9 @@ def test_without_any_lock_a_job_warns_once_and_still_computes_and_stores(
 
     real_open = os.open
 
-    def no_lock_file(path, flags, *args):  # the lock file cannot be made; entries can
-        if str(path).endswith(".owner"):
-            raise PermissionError(errno.EACCES, "no lock file here")
+    def no_lock_file(path, flags, *args):  # no lock file can be made here; entries can
+        if str(path).endswith(".owner"):  # (a folder one may not write counts as held instead)
+            raise OSError(errno.EROFS, "no lock file here")
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(file_lock.os, "open", no_lock_file)
@@ -273,6 +273,28 @@ def test_the_owner_renews_its_lease_while_it_holds_the_lock(tmp_path, monkeypatc
     assert time.time() - lock.owner_file.stat().st_mtime < 5  # touched again
     lock.release()
     assert not lock.owner_file.exists()
+
+
+def test_an_entry_holding_a_symbolic_link_is_never_read_or_copied(tmp_path, caplog):
+    """A writer of a shared cache folder could link an entry's file to one of the reader's
+    (a key, a token): such an entry is not used, and restoring never copies through a link."""
+    cache, fingerprint = BaseCache(tmp_path / "cache"), Fingerprint("base", {"what": 1})
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "predictions.jsonl").write_text('{"id": 1}\n')
+    cache.fetch(fingerprint, lambda: {"value": 1}, files)
+    entry = cache.root / fingerprint.entry_name
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private")
+    (entry / "predictions.jsonl").unlink()
+    (entry / "predictions.jsonl").symlink_to(secret)
+    with caplog.at_level("WARNING"):
+        payload, record = cache.fetch(fingerprint, lambda: {"value": "recomputed"})
+    assert record["status"] == "computed" and payload == {"value": "recomputed"}
+    assert any("symbolic link" in r.getMessage() for r in caplog.records)
+    restored = tmp_path / "run" / "base"
+    BaseCache.restore(entry, restored)
+    assert not (restored / "predictions.jsonl").exists()
 
 
 def test_a_mismatched_entry_is_never_used(tmp_path):
@@ -342,7 +364,9 @@ def test_multirun_of_three_jobs_evaluates_the_base_once(tmp_path):
     cached = [json.loads((j / METRICS_FILE).read_text())["base_cache"]["base"] for j in jobs]
     assert [c["status"] for c in cached] == ["computed", "read", "read"]
     assert len({c["fingerprint"] for c in cached}) == 1
-    assert cached[0]["entry"].startswith(str(tmp_path / "sweep" / BASE_CACHE_DIR))
+    # named relative to the cache root (metrics.json is shareable), and found there
+    assert "/" not in cached[0]["entry"]
+    assert (tmp_path / "sweep" / BASE_CACHE_DIR / cached[0]["entry"]).is_dir()
     # Another test limit, reading the same cache: another fingerprint, computed.
     args[-1] = f"hydra.sweep.dir={tmp_path / 'other'}"
     args[args.index("method.module.upper_lr=0.01,0.05,0.1")] = "method.module.upper_lr=0.05"

@@ -371,9 +371,12 @@ def test_processor_keeps_masked_tokens_masked():
 
 
 def _saved_config(compose, tmp_path: Path, overrides: list[str]) -> Path:
+    """A run folder holding only its config, resolved as a run writes it."""
+    from calm_lightning.runtime.run_record import write_config
+
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    OmegaConf.save(compose(["model=tiny", *overrides], run_dir), run_dir / "config_resolved.yaml")
+    write_config(run_dir, compose(["model=tiny", *overrides], run_dir))
     return run_dir
 
 
@@ -426,6 +429,7 @@ def test_existing_output_needs_overwrite_and_failures_leave_nothing(
 ):
     out = tmp_path / "out"
     out.mkdir()
+    (out / "calibration.json").write_text("{}")  # an earlier export (what overwrite replaces)
     (out / "old.txt").write_text("previous export")
     with pytest.raises(ExportError, match="out=.* exists; pass overwrite=true"):
         export_run(calm_run, out)
@@ -442,7 +446,7 @@ def test_existing_output_needs_overwrite_and_failures_leave_nothing(
     with pytest.raises(RuntimeError, match="disk full"):
         export_run(calm_run, tmp_path / "fresh")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["calibration.json", "old.txt"]
     monkeypatch.undo()
     export_run(calm_run, out, overwrite=True)
     assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()

@@ -80,10 +80,17 @@ def test_offline_wandb_run_holds_metrics_config_image_and_table(tmp_path, monkey
     summary = _values(records, "summary")
     history = _values(records, "history")
     assert summary["base/conf_ece"] == pytest.approx(metrics["conf_ece"])
+    # the ranking metrics and the intervals reach the summary too (nested, as in metrics.json)
+    assert summary["base/aurc"] == pytest.approx(metrics["aurc"])
+    assert summary["base/ci95"]["conf_ece"] == pytest.approx(metrics["ci95"]["conf_ece"])
     assert history["test/accuracy"] == pytest.approx(metrics["accuracy"])
     config = _values(records, "config")
     # Nested, as W&B shows it (`model.name`) and as its saved views address it.
     assert config["model"]["name"] == "tiny" and config["seed"] == 0
+    # Its public part only: nothing that says where the job's files are (W&B is shared).
+    assert not {"paths", "hydra", "logger", "callbacks", "ckpt_path"} & set(config)
+    ours = {k: v for k, v in config.items() if not k.startswith("_")}
+    assert str(tmp_path) not in json.dumps(ours) and "default_root_dir" not in ours["trainer"]
     media = run_file.parent / "files" / "media"
     assert list(media.glob("images/reliability_*.png"))
     (table,) = list(media.glob("table/predictions_*.table.json"))

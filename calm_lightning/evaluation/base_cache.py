@@ -25,7 +25,9 @@ then read. The lock is `flock`, or on filesystems without it (Lustre with `noflo
 file created atomically (runtime/file_lock.py); where neither can be had the jobs go on
 unlocked, with one warning. The entry is built in a temporary folder and renamed into place,
 so a reader never sees half of one, also where the lock is not honoured (the second writer's
-rename fails and it keeps its own result).
+rename fails and it keeps its own result). An entry that is a symbolic link, or that holds one,
+is never used (nothing is read or copied through a link a writer of the folder planted), and
+metrics.json names an entry relative to the cache root (no local path in a shareable record).
 
 Under DDP, rank 0 alone locks, looks and writes; it tells the other ranks whether to compute.
 """
@@ -45,8 +47,8 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 from calm_lightning.runtime.file_lock import FileLock, warn_once
+from calm_lightning.runtime.job_state import cache_root
 from calm_lightning.runtime.run_record import (
-    BASE_CACHE_DIR,
     CACHE_ENTRY_FILE,
     read_cache_entry,
     write_cache_entry,
@@ -62,6 +64,7 @@ NOT_SCORING = (
     "retention",
     "base_cache",
     "base_cache_dir",
+    "heldout_metrics",  # the method's held-out pass, after calibration: not the base row
 )
 # Keys of the model block that say where files go, not which model it is.
 NOT_MODEL = ("cache_dir",)
@@ -250,26 +253,6 @@ def retention_fingerprint(cfg, method_cls, settings) -> Fingerprint:
     )
 
 
-def cache_root(cfg) -> Path | None:
-    """Where a run's cache lives: `evaluation.base_cache_dir`, else the sweep's folder in a
-    multirun (every job of the sweep shares it), else the run's own folder; None when
-    `evaluation.base_cache=false`."""
-    evaluation = cfg.get("evaluation") or {}
-    if not evaluation.get("base_cache", True):
-        return None
-    folder = evaluation.get("base_cache_dir")
-    if not folder:
-        from calm_lightning.runtime.multirun import in_multirun
-
-        if in_multirun():
-            from hydra.core.hydra_config import HydraConfig
-
-            folder = HydraConfig.get().sweep.dir
-        else:
-            folder = cfg.paths.output_dir
-    return Path(str(folder)).expanduser() / BASE_CACHE_DIR
-
-
 @contextmanager
 def _exclusive(path: Path) -> Iterator[None]:
     """An exclusive lock on `path` (created), held until the block ends. Where no lock can be
@@ -305,8 +288,15 @@ class BaseCache:
     def enabled(self) -> bool:
         return self.root is not None
 
+    def entry(self, record: dict) -> Path:
+        """The folder of the entry a `fetch` record names (relative to the cache root)."""
+        return self.root / record["entry"]
+
     def _matching_entry(self, fingerprint: Fingerprint) -> Path | None:
         entry = self.root / fingerprint.entry_name
+        if _holds_links(entry):
+            log.warning("%s: a symbolic link in the cache entry; not used", entry)
+            return None
         stored = read_cache_entry(entry)
         if stored is None:
             return None
@@ -319,7 +309,7 @@ class BaseCache:
         self, fingerprint: Fingerprint, compute: Callable[[], dict], files: Path | None = None
     ) -> tuple[dict, dict]:
         """(payload, record). A matching entry: its payload, record status `read` (the entry's
-        other files are in `record["entry"]`). Otherwise `compute()` runs (it returns the JSON
+        other files are in `entry(record)`). Otherwise `compute()` runs (it returns the JSON
         payload and writes its files to the folder `files`) and, with the cache on, the
         payload and `files` are stored: status `computed`. With the cache off: status `off`.
         The record names the fingerprint's digest, as metrics.json keeps it."""
@@ -328,7 +318,7 @@ class BaseCache:
         record = {"status": "off", "fingerprint": fingerprint.digest}
         if not self.enabled:
             return compute(), record
-        record["entry"] = str(self.root / fingerprint.entry_name)
+        record["entry"] = fingerprint.entry_name  # relative to the cache root: `entry(record)`
         main = is_main_process()
         lock = self.root / f".{fingerprint.entry_name}.lock"
         with _exclusive(lock) if main else _nothing():
@@ -355,7 +345,7 @@ class BaseCache:
         try:
             if files is not None and files.is_dir():
                 for path in sorted(files.iterdir()):
-                    if path.is_file():
+                    if path.is_file() and not path.is_symlink():
                         shutil.copyfile(path, tmp / path.name)
             write_cache_entry(
                 tmp,
@@ -376,11 +366,21 @@ class BaseCache:
 
     @staticmethod
     def restore(entry: str | Path, folder: Path) -> None:
-        """Copy an entry's files (not its own record) into a run's folder."""
+        """Copy an entry's files (not its own record, never through a symbolic link) into a
+        run's folder."""
         folder.mkdir(parents=True, exist_ok=True)
         for path in sorted(Path(entry).iterdir()):
-            if path.is_file() and path.name != CACHE_ENTRY_FILE:
+            if path.is_symlink():
+                log.warning("%s is a symbolic link; not copied from the base cache", path)
+            elif path.is_file() and path.name != CACHE_ENTRY_FILE:
                 shutil.copyfile(path, folder / path.name)
+
+
+def _holds_links(entry: Path) -> bool:
+    """Whether a cache entry is, or holds, a symbolic link."""
+    if entry.is_symlink():
+        return True
+    return entry.is_dir() and any(path.is_symlink() for path in entry.iterdir())
 
 
 @contextmanager

@@ -177,9 +177,17 @@ def retention_record(rows: dict[str, dict], settings: RetentionSettings, meta: d
         "num_fewshot": 0,
         "tasks": list(settings.tasks),
         "limit": settings.limit,
-        "data_files": {k: list(v) for k, v in settings.data_files.items()},
+        # By name and content hash: the record is shared, the machine's folders are not.
+        "data_files": {k: [_public_file(f) for f in v] for k, v in settings.data_files.items()},
         "rows": rows,
     }
+
+
+def _public_file(path: str) -> dict:
+    """A local data file as a shareable record names it: its name and its bytes' sha256."""
+    from calm_lightning.evaluation.base_cache import file_digest
+
+    return {"name": Path(path).name, "sha256": file_digest(path)}
 
 
 class RetentionStep:

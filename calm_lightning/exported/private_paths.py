@@ -1,6 +1,7 @@
 """No local path leaves in an export: the run machine's folders (the run, model.local_path,
-cache directories, data files) are collected from the run's resolved config, and every text
-file of the finished folder is searched for them before it is published."""
+cache directories, data files) are collected from the run's resolved config, with the
+project's default cache folder, Hugging Face's and the user's home folder, and every text file
+of the finished folder is searched for them before it is published."""
 
 from __future__ import annotations
 
@@ -50,9 +51,17 @@ def private_paths(run) -> set[str]:
             found.add(os.environ[name].rstrip("/"))
     from huggingface_hub import constants
 
+    from calm_lightning.models.embedded import cache_root
+
     found.add(str(constants.HF_HUB_CACHE).rstrip("/"))
+    found.add(str(cache_root()).rstrip("/"))  # the project's cache, default or $CALM_..._CACHE
     # "/" or "/tmp" alone would match far too much; a run's own paths are deeper than that.
-    return {p for p in found if len(Path(p).parts) >= 3}
+    paths = {p for p in found if len(Path(p).parts) >= 3}
+    # Anything below the home folder names the user (/home/<user>/, or /root/: two parts only).
+    home = str(Path.home()).rstrip("/")
+    if len(Path(home).parts) >= 2:
+        paths.add(home + "/")
+    return paths
 
 
 def public_block(node):

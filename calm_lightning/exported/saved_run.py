@@ -1,9 +1,18 @@
 """A finished run as the export and retention read it: the checks that it can be exported
 (`inspect_run`, before anything heavy loads), the weights' dtype and its base model loaded
-unquantized (`load_base_model`)."""
+unquantized (`load_base_model`).
+
+A run folder may come from someone else, so it is read as data, never as code
+(`check_received_config`, docs/security.md): its config must hold resolved values only (a
+`${...}` is refused, never resolved: it could read the environment), its method class must be
+one of this project's (`calm_lightning.methods.<module>.<Class>`, checked before anything is
+imported), its names plain (they become folder and file names), and the model's own code from
+the Hub runs only when the command line says `trust_remote_code=true`, whatever the config says.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +21,7 @@ from calm_lightning.models.calibrated_lm import ADAPTER_DIR, read_calibration_re
 from calm_lightning.models.logit_adjustment import HEAD_FILE
 from calm_lightning.runtime.run_record import (
     CALIBRATION_DIR,
+    CONFIG_FILE,
     METRICS_FILE,
     RunRecord,
     RunRecordError,
@@ -19,6 +29,11 @@ from calm_lightning.runtime.run_record import (
 )
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+# A name that becomes part of a folder or file name, a model card or calibration.json.
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.,=+-]{0,127}")
+NAMED = ("model", "method", "setting")  # the config nodes whose `name` must be a SAFE_NAME
+# The only classes a saved run may name: this project's methods.
+METHOD_TARGET = re.compile(r"calm_lightning\.methods\.[a-z_][a-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass
@@ -77,6 +92,10 @@ def inspect_run(run_dir: str | Path, exporting: bool = True) -> RunToExport:
         saved = read_run(run_dir)
     except RunRecordError as err:
         raise ExportError(str(err)) from None
+    except Exception as err:  # noqa: BLE001 (a record that does not parse: named, no traceback)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ExportError(f"run_dir={run_dir}: a record does not parse ({first})") from None
+    check_received_config(saved.path, saved.config)
     run_dir, cfg = saved.path, saved.config
     method = str(OmegaConf.select(cfg, "method.name", default="?"))
     cls = _method_class(cfg, method)
@@ -117,6 +136,50 @@ def inspect_run(run_dir: str | Path, exporting: bool = True) -> RunToExport:
         base_dtype=dtype.removeprefix("torch."),
         base_4bit=bool(record.get("base_4bit", quantization == "nf4")),
     )
+
+
+def check_received_config(run_dir: Path, cfg) -> None:
+    """Refuse a saved config that is not plain data (see the module docstring); nothing in it
+    is resolved or imported here."""
+    from omegaconf import OmegaConf
+
+    where = run_dir / CONFIG_FILE
+    found = _interpolation(OmegaConf.to_container(cfg, resolve=False))
+    if found is not None:
+        raise ExportError(
+            f"{where}: {found[0]}={found[1]!r} is an interpolation; a saved run's config holds "
+            "resolved values only, and this one is not resolved (it could read environment "
+            "variables). Remove it, or use the run folder as this project wrote it"
+        )
+    target = str(OmegaConf.select(cfg, "method.module._target_", default=None))
+    if not METHOD_TARGET.fullmatch(target):
+        raise ExportError(
+            f"{where}: method.module._target_={target!r} is not one of this project's methods "
+            "(calm_lightning.methods.<module>.<Class>); nothing was imported"
+        )
+    names = {f"{key}.name": OmegaConf.select(cfg, f"{key}.name") for key in NAMED}
+    names["the run folder's name"] = Path(run_dir).resolve().name
+    for key, value in names.items():
+        if value is not None and not SAFE_NAME.fullmatch(str(value)):
+            raise ExportError(
+                f"{where}: {key}={value!r} is not a plain name (letters, digits and . _ - + , = "
+                "only; it becomes part of file names); rename it"
+            )
+
+
+def _interpolation(node, prefix: str = "") -> tuple[str, str] | None:
+    """The first (key, value) of a config tree whose value holds `${`."""
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        return (prefix.rstrip("."), node) if isinstance(node, str) and "${" in node else None
+    for key, value in items:
+        found = _interpolation(value, f"{prefix}{key}.")
+        if found is not None:
+            return found
+    return None
 
 
 def _method_class(cfg, method: str) -> type:
@@ -165,14 +228,22 @@ def target_dtype(run: RunToExport, requested: str = "auto") -> str:
     return run.base_dtype
 
 
-def load_base_model(run: RunToExport, dtype: str):
-    """The run's base model, unquantized, at `dtype`, with its tokenizer."""
+def load_base_model(run: RunToExport, dtype: str, trust_remote_code: bool = False):
+    """The run's base model, unquantized, at `dtype`, with its tokenizer. The model's own code
+    from the Hub runs only with `trust_remote_code` (the command line's), whatever the run's
+    config says: a run that needs it is refused without."""
     from omegaconf import OmegaConf
 
     from calm_lightning.models.loading import DTYPES, load_language_model
 
     model_cfg = OmegaConf.to_container(run.cfg.model, resolve=True)
-    model_cfg.update(dtype=dtype, quantization="none")
+    if model_cfg.get("trust_remote_code") and not trust_remote_code:
+        raise ExportError(
+            f"{run.run_dir / CONFIG_FILE}: model.trust_remote_code=true: the base model "
+            f"{model_cfg.get('model_id') or model_cfg.get('name')!r} needs code from its Hub "
+            "repository, which runs only when asked: pass trust_remote_code=true if you trust it"
+        )
+    model_cfg.update(dtype=dtype, quantization="none", trust_remote_code=trust_remote_code)
     loaded = load_language_model(model_cfg)
     if loaded.model.dtype != DTYPES[dtype]:  # the in-code tiny model is built in fp32
         loaded.model.to(DTYPES[dtype])

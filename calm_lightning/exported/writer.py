@@ -45,26 +45,33 @@ def export_run(
     overwrite: bool = False,
     dtype: str = "auto",
     fold: str = "auto",
+    trust_remote_code: bool = False,
 ) -> Path:
     """Write the run's calibrated model to `out` (see the module docstring); returns `out`.
 
     Everything is written to a hidden sibling folder first and renamed to `out` at the end,
     so a failed export leaves nothing behind (and an overwritten `out` stays intact until
-    the new one is complete).
+    the new one is complete). `overwrite=True` replaces only an empty folder or an earlier
+    export; `trust_remote_code` lets the base model's Hub code run (never the run's config).
     """
     out = Path(out)
     run = inspect_run(run_dir)
-    if out.exists() and not overwrite:
-        raise ExportError(f"out={out} exists; pass overwrite=true to replace it, or another out=")
     if out.resolve() == run.run_dir.resolve() or out.resolve() in run.run_dir.resolve().parents:
         raise ExportError(f"out={out} would replace the run itself ({run.run_dir})")
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise ExportError(
+                f"out={out} exists; pass overwrite=true to replace an earlier export, or "
+                "another out="
+            )
+        check_replaceable(out)
     dtype = target_dtype(run, dtype)
     if fold not in FOLD_NAMES:
         raise ExportError(f"fold={fold!r} is not one of {', '.join(FOLD_NAMES)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        write_folder(run, staging, merge=merge, dtype=dtype, fold=fold)
+        write_folder(run, staging, merge, dtype, fold, trust_remote_code)
         _usual_permissions(staging)
         _publish(staging, out)
     finally:
@@ -84,9 +91,27 @@ def _usual_permissions(folder: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
+def check_replaceable(out: Path) -> None:
+    """`overwrite=true` replaces only an empty folder or an earlier export (one holding
+    calibration.json): a mistyped `out=` must not delete someone's folder."""
+    if out.is_symlink() or not out.is_dir():
+        raise ExportError(
+            f"out={out} is not a folder; overwrite=true replaces only an empty folder or an "
+            "earlier export: choose another out=, or move it away yourself"
+        )
+    if any(out.iterdir()) and not (out / CALIBRATION_FILE).is_file():
+        raise ExportError(
+            f"out={out} is not an earlier export (no {CALIBRATION_FILE}) and not empty; "
+            "overwrite=true replaces only those: choose another out=, or move that folder away "
+            "yourself (nothing was deleted)"
+        )
+
+
 def _publish(staging: Path, out: Path) -> None:
-    """Rename the finished folder to `out`, replacing an existing one only now."""
-    if out.exists():
+    """Rename the finished folder to `out`, replacing an existing one (an earlier export or
+    an empty folder, checked again now) only now."""
+    if out.exists() or out.is_symlink():
+        check_replaceable(out)
         replaced = out.with_name(f".{out.name}.replaced-{uuid.uuid4().hex[:8]}")
         out.rename(replaced)
         staging.rename(out)
@@ -96,11 +121,16 @@ def _publish(staging: Path, out: Path) -> None:
 
 
 def write_folder(
-    run: RunToExport, folder: Path, merge: bool, dtype: str, fold: str = "auto"
+    run: RunToExport,
+    folder: Path,
+    merge: bool,
+    dtype: str,
+    fold: str = "auto",
+    trust_remote_code: bool = False,
 ) -> None:
     """Weights (merged, or base + adapter/; the head folded in or as custom code), tokenizer,
     calibration, model card."""
-    loaded = load_base_model(run, dtype)
+    loaded = load_base_model(run, dtype, trust_remote_code)
     model, tokenizer = loaded.model, loaded.tokenizer
     head = _check_head(run, model)
     adapter = run.adapter_dir

@@ -80,7 +80,8 @@ class TrainingMethod(CalibrationMethod):
     }
 
     def calibrate(self, trainer, datamodule, ckpt_path: str | None = None) -> dict:
-        trainer.fit(self, datamodule=datamodule, ckpt_path=ckpt_path)
+        # Tensors and plain values only: a checkpoint is never unpickled (checkpointing.py).
+        trainer.fit(self, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         return {}
 
     @classmethod

@@ -6,6 +6,7 @@ cache dir; later loads take ~2 s and never touch the network.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -101,21 +102,32 @@ def _write_atomically(target: Path, fingerprint: dict, write) -> Path:
     """Call `write(dir)` on a staging dir, then rename it to `target`.
 
     An interrupted conversion never leaves a half-written cache that a later run would take
-    for a complete one; the fingerprint marker is written last.
+    for a complete one; the fingerprint marker is written last. An outdated `target` is
+    renamed aside first, the new one renamed in, and only then the old one deleted: a job
+    reading the cache meanwhile never sees a half-deleted folder.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    aside = None
     try:
         write(staging)
         (staging / "calm_conversion.json").write_text(json.dumps(fingerprint))
         if _is_current(target, fingerprint):
             return target  # another process finished the same conversion first
         if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+            aside = Path(tempfile.mkdtemp(prefix=".old-", dir=target.parent))
+            with contextlib.suppress(FileNotFoundError):  # another process moved it meanwhile
+                target.rename(aside / target.name)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not _is_current(target, fingerprint):  # another's complete copy is fine
+                raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
     return target
 
 

@@ -1,13 +1,20 @@
 """Checkpoints a job can trust after any kill: atomic, stamped with the job, found again.
 
-* `AtomicCheckpointIO`: Lightning's torch checkpoint writer, but into a temporary file of the
-  same folder renamed over the target, so a job killed inside a save leaves the previous
-  checkpoint whole (the stray temporary file is removed at the job's next start).
+* `AtomicCheckpointIO`: Lightning's torch checkpoint writer, but straight into a temporary
+  file of the same folder, fsynced and renamed over the target, so a job killed inside a save
+  leaves the previous checkpoint whole (the stray temporary file is removed at the job's next
+  start).
 * `JobStamp`: every checkpoint carries the job's config digest (runtime/job_state.py).
 * `resolve_checkpoint`: `ckpt_path: auto` (the default) takes the newest checkpoint of the
   job's own `checkpoints/` whose stamp matches and which loads; an explicit `ckpt_path` (a
   file, or a run folder: its newest checkpoint) of another configuration is refused before any
   weights load.
+* Every checkpoint is read with `torch.load(weights_only=True)` (the stamp here, and
+  `Trainer.fit`, methods/training.py): tensors and plain values only, never unpickled. A
+  checkpoint holds nothing else (adapters, head, optimizer and scheduler states, CALM's
+  history and surrogate, the random generators' states, the loaders' positions: dicts, lists,
+  numbers and tensors), so no type is added to torch's safe globals; a file that does not load
+  that way (a planted pickle) is skipped under `auto` and refused when named, and never run.
 * `StopForRequeue`: under submitit (the SLURM and local launchers), the timeout / preemption
   signal no longer stops the job wherever it is: training finishes its step, saves a
   checkpoint, then submitit's own handler requeues the job through the launcher's
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,12 +45,18 @@ STAMP_KEY = "calm_lightning_job"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's torch writer into a temporary file beside the target, then an atomic
-    rename (run_record.atomic_replace)."""
+    """Lightning's torch writer, but straight into a temporary file beside the target, then
+    fsync and an atomic rename (run_record.atomic_replace). Lightning's own writer serialises
+    the whole checkpoint into memory first and stages it through fsspec's temporary folder:
+    twice the checkpoint's size in memory and a copy across filesystems for every save."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-        with atomic_replace(path) as tmp:
-            super().save_checkpoint(checkpoint, tmp, storage_options)
+        import torch
+
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        with atomic_replace(path) as tmp, open(tmp, "wb") as handle:
+            torch.save(checkpoint, handle)
 
 
 class JobStamp(L.Callback):
@@ -55,13 +69,41 @@ class JobStamp(L.Callback):
         checkpoint[STAMP_KEY] = {"digest": self.digest}
 
 
+class CheckpointRefused(Exception):
+    """A checkpoint file that is not read: why, in a few words (no traceback, no unpickling)."""
+
+
 def _read_stamp(path: Path) -> tuple[str | None, int]:
-    """(digest, global step) of a checkpoint file; raises on a file that does not load."""
+    """(digest, global step) of a checkpoint file, read as tensors and plain values only
+    (`weights_only=True`); `CheckpointRefused` for a file that does not load that way."""
+    import pickle
+
     import torch
 
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    stamp = state.get(STAMP_KEY) or {}
-    return stamp.get("digest"), int(state.get("global_step", 0))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if found or "weights only" in str(err).lower():  # torch refused a non-tensor object
+            what = f" ({found.group(1)})" if found else ""
+            raise CheckpointRefused(
+                f"holds objects other than tensors and plain values{what}, which only unpickling "
+                "could read, and unpickling runs code: it was not unpickled"
+            ) from None
+        raise CheckpointRefused(f"does not load as a checkpoint ({_first_line(err)})") from None
+    except Exception as err:  # noqa: BLE001 (cut short, not a checkpoint, unreadable)
+        raise CheckpointRefused(f"does not load as a checkpoint ({_first_line(err)})") from None
+    if not isinstance(state, dict):
+        raise CheckpointRefused("is not a checkpoint (no dict of training state)")
+    stamp, step = state.get(STAMP_KEY), state.get("global_step", 0)
+    digest = stamp.get("digest") if isinstance(stamp, dict) else None
+    if not isinstance(step, int):
+        raise CheckpointRefused(f"is not a checkpoint (global_step {step!r} is no number)")
+    return (None if digest is None else str(digest)), step
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 def _candidates(folder: Path) -> list[Path]:
@@ -78,8 +120,8 @@ def resolve_checkpoint(value, own_folder: Path, digest: str) -> tuple[str | None
         for candidate in _candidates(own_folder):
             try:
                 stamp, step = _read_stamp(candidate)
-            except Exception as err:  # noqa: BLE001 (any unreadable file is skipped)
-                log.warning("checkpoint %s does not load (%s); trying an older one", candidate, err)
+            except CheckpointRefused as why:  # never unpickled: skipped, named, an older one next
+                log.warning("checkpoint %s %s; not used, trying an older one", candidate, why)
                 continue
             if stamp == digest:
                 log.info("resuming from %s (step %d)", candidate, step)
@@ -99,10 +141,10 @@ def resolve_checkpoint(value, own_folder: Path, digest: str) -> tuple[str | None
         raise ConfigError(f"ckpt_path={value}: no checkpoint at {path}")
     try:
         stamp, step = _read_stamp(path)
-    except Exception as err:  # noqa: BLE001
+    except CheckpointRefused as why:
         raise ConfigError(
-            f"ckpt_path={value}: {path} does not load as a checkpoint ({err}); pass another "
-            "file (a run folder's checkpoints/*.ckpt)"
+            f"ckpt_path={value}: {path} {why}; pass a checkpoint this project wrote (a run "
+            "folder's checkpoints/*.ckpt), or drop ckpt_path"
         ) from None
     if stamp is not None and stamp != digest:
         raise ConfigError(

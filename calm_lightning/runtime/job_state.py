@@ -10,7 +10,12 @@ Relaunching a sweep with the same `hydra.sweep.dir` maps every job to the folder
 * A job whose `metrics.json` exists with the same digest is finished: the launcher gets its
   stored objective back without a model being loaded or a file being touched.
 * One process at a time writes a job folder (`.job.lock`, held for the job's life): a second
-  one is refused.
+  one is refused, and so is one that cannot open the lock (another user's: counted as held).
+* The folders a job trusts (its own, its checkpoints, the sweep's, the base cache's) must be
+  this user's and writable by no one else: whoever can write there could plant a checkpoint,
+  a metrics.json that marks the job finished, or a base-cache entry. Another's folder, or one
+  writable by group or others (a user's private group aside), is refused with the fix, or
+  accepted with a warning under `allow_shared_folder=true` (docs/security.md).
 * `attempts.jsonl` gets a line at every start, before any work: `{start_step, started_at,
   reason}` with reason `fresh` (nothing to resume), `resume` (a checkpoint of this job found)
   or `requeue` (the launcher started it again: SLURM's restart count, or submitit after an
@@ -25,12 +30,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
 from calm_lightning.errors import ConfigError
-from calm_lightning.runtime.file_lock import FileLock
-from calm_lightning.runtime.run_record import CONFIG_FILE, FAILED_FILE, METRICS_FILE, _write_json
+from calm_lightning.runtime.file_lock import FileLock, warn_once
+from calm_lightning.runtime.run_record import (
+    BASE_CACHE_DIR,
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    FAILED_FILE,
+    METRICS_FILE,
+    _write_json,
+)
 
 IDENTITY_FILE = "job.json"
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -46,6 +59,8 @@ IGNORED_KEYS = (
     "ckpt_path",
     "callbacks",
     "oversubscribe_gpus",
+    # Whether a shared folder is accepted decides whether the job starts, not what it computes.
+    "allow_shared_folder",
     "trainer.default_root_dir",
     "trainer.enable_progress_bar",
     "trainer.log_every_n_steps",
@@ -81,6 +96,94 @@ def config_digest(cfg) -> str:
             node.pop(leaf, None)
     text = json.dumps(tree, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def sweep_folder() -> Path | None:
+    """The sweep's folder in a multirun (every job of the sweep shares it), else None."""
+    from calm_lightning.runtime.multirun import in_multirun
+
+    if not in_multirun():
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(str(HydraConfig.get().sweep.dir))
+
+
+def cache_root(cfg) -> Path | None:
+    """Where a run's base cache lives (evaluation/base_cache.py): `evaluation.base_cache_dir`,
+    else the sweep's folder in a multirun, else the run's own folder; None when
+    `evaluation.base_cache=false`."""
+    evaluation = cfg.get("evaluation") or {}
+    if not evaluation.get("base_cache", True):
+        return None
+    folder = evaluation.get("base_cache_dir") or sweep_folder() or cfg.paths.output_dir
+    return Path(str(folder)).expanduser() / BASE_CACHE_DIR
+
+
+def _name(lookup, key: int) -> str:
+    try:
+        return lookup(key)[0]
+    except KeyError:
+        return str(key)
+
+
+def _private_group(gid: int) -> bool:
+    """A user private group: named as this user, no other member (systems that use them set
+    umask 002, so every folder is group-writable and yet no one else's)."""
+    import grp
+    import pwd
+
+    try:
+        group, user = grp.getgrgid(gid), pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return False
+    return group.gr_name == user and set(group.gr_mem) <= {user}
+
+
+def folder_risk(path: Path) -> str | None:
+    """What makes `path` (a folder a job trusts) writable by someone else; None: nothing."""
+    import grp
+    import pwd
+
+    info = path.stat()  # a symbolic link is judged by the folder it leads to
+    if info.st_uid != os.getuid():
+        return f"belongs to {_name(pwd.getpwuid, info.st_uid)}, not to you"
+    if info.st_mode & stat.S_IWOTH:
+        return "is writable by every user"
+    if info.st_mode & stat.S_IWGRP and not _private_group(info.st_gid):
+        return f"is writable by the group {_name(grp.getgrgid, info.st_gid)}"
+    return None
+
+
+def check_folders(cfg, job_path: Path) -> None:
+    """Refuse a folder the job trusts (its own, its checkpoints, the sweep's, the base
+    cache's) that another can write; `allow_shared_folder=true` accepts it, loudly."""
+    cache = cache_root(cfg)
+    candidates = [job_path, job_path / CHECKPOINT_DIR, sweep_folder()]
+    candidates += [cache.parent, cache] if cache is not None else []
+    seen: set[Path] = set()
+    for folder in candidates:
+        if folder is None or folder in seen or not folder.is_dir():
+            continue
+        seen.add(folder)
+        risk = folder_risk(folder)
+        if risk is None:
+            continue
+        if cfg.get("allow_shared_folder", False):
+            warn_once(
+                f"shared:{folder}",
+                "allow_shared_folder=true: %s %s; its checkpoints, finished-job records and "
+                "base-cache entries are trusted as this job's own",
+                folder,
+                risk,
+            )
+            continue
+        raise ConfigError(
+            f"{folder} {risk}: whoever can write there could plant checkpoints, records that "
+            "mark a job finished, or base-cache entries that this job would trust. Use a "
+            f"folder of your own (`chmod go-w {folder}`, or a new hydra.sweep.dir), or accept "
+            "the risk with allow_shared_folder=true (docs/security.md)"
+        )
 
 
 def _read_json(path: Path):
@@ -129,8 +232,9 @@ class JobFolder:
         return record.get("digest") if isinstance(record, dict) else None
 
     def check_identity(self) -> None:
-        """Refuse a folder that holds another job (its digest differs, or it holds a run
-        written before digests existed)."""
+        """Refuse a folder that others can write (`check_folders`) or that holds another job
+        (its digest differs, or it holds a run written before digests existed)."""
+        check_folders(self.cfg, self.path)
         stored = self.stored_digest()
         if stored is None:
             if (self.path / CONFIG_FILE).is_file() and not (self.path / IDENTITY_FILE).exists():
@@ -160,7 +264,13 @@ class JobFolder:
     def acquire(self) -> None:
         """Take the folder for this process's life; refuse when another process holds it."""
         self.path.mkdir(parents=True, exist_ok=True)
-        if not self._lock.acquire(blocking=False) and not self._lock.unavailable:
+        if not self._lock.acquire(blocking=False) and self._lock.denied:
+            raise ConfigError(
+                f"{self._lock.denied}, so the job in {self.path} counts as run by another "
+                "process and is not started; if no one runs it, that file's owner can remove "
+                "it, or launch into a folder of your own"
+            )
+        if not self._lock.held and not self._lock.unavailable:
             raise ConfigError(
                 f"another process is running the job in {self.path} (it holds "
                 f"{self.path / JOB_LOCK_FILE}); wait for it, or stop it first"

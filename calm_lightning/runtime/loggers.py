@@ -1,10 +1,11 @@
 """Loggers of a run: built from the `logger` group (csv, wandb, none), the final results
-published to W&B (summary, config, reliability diagram, per-example table), and closed so the
-next job of a multirun starts clean."""
+published to W&B (summary, the config's public part, reliability diagram, per-example table),
+and closed so the next job of a multirun starts clean."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from hydra.utils import instantiate
@@ -37,6 +38,43 @@ LOGGER_RULES = {
     "wandb.resume": OneOf(("allow", "must", "never", "auto", True, False), optional=True),
     "wandb.log_model": OneOf(("all", True, False)),
 }
+
+
+# What only says where a job's files are, not what it computes: W&B (a shared service) never
+# receives these, and any other local path only by its last name.
+PRIVATE_KEYS = (
+    "paths",
+    "hydra",
+    "logger",
+    "callbacks",
+    "ckpt_path",
+    "trainer.default_root_dir",
+    "evaluation.base_cache_dir",
+)
+
+
+def public_config(cfg: DictConfig) -> dict:
+    """The resolved config as it may leave the machine: without PRIVATE_KEYS, and each local
+    path (absolute or `~/...`) replaced by its file or folder name."""
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    for dotted in PRIVATE_KEYS:
+        *parents, leaf = dotted.split(".")
+        node = tree
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return _names_for_paths(tree)
+
+
+def _names_for_paths(node):
+    if isinstance(node, dict):
+        return {key: _names_for_paths(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_names_for_paths(value) for value in node]
+    if isinstance(node, str) and len(node) > 1 and (os.path.isabs(node) or node[0] == "~"):
+        return Path(node).name
+    return node
 
 
 def _wandb_overrides(cfg: DictConfig, node: DictConfig, resume_from: str | None) -> dict:
@@ -86,9 +124,10 @@ def build_loggers(cfg: DictConfig, resume_from: str | None = None) -> list:
 
 
 def publish_results(loggers: list, cfg: DictConfig, result: RunResult) -> None:
-    """For each W&B logger: final metrics into the run summary, the resolved config
-    (flattened), the reliability diagram as an image and the per-example predictions as a
-    table. The csv logger needs nothing more (Lightning wrote its rows)."""
+    """For each W&B logger: final metrics into the run summary, the resolved config's public
+    part (`public_config`: no local path), the reliability diagram as an image and the
+    per-example predictions as a table. The csv logger needs nothing more (Lightning wrote its
+    rows)."""
     for logger in loggers:
         if type(logger).__name__ != "WandbLogger":
             continue
@@ -96,7 +135,7 @@ def publish_results(loggers: list, cfg: DictConfig, result: RunResult) -> None:
 
         # Nested, as W&B shows it (columns `method.module.upper_lr`) and as its saved views
         # address config values (`config:method.value.module.upper_lr`, the sweep dashboard).
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        logger.log_hyperparams(public_config(cfg))
         run = logger.experiment
         for method, metrics in result.comparison.items():
             run.summary.update({f"{method}/{k}": v for k, v in metrics.items()})

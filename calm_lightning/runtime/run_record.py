@@ -114,10 +114,11 @@ class RunResult:
 @contextmanager
 def atomic_replace(path: str | Path) -> Iterator[Path]:
     """A temporary file in `path`'s folder (`.<name>.<random>`) for the block to write; it
-    replaces `path` when the block ends, or is removed when the block fails. A reader never
-    sees half a file, and a writer killed midway leaves the old file (and a stray temporary
-    that the job's next start removes, runtime/job_state.py). Every record file, plot and
-    checkpoint of a run is written through it."""
+    is fsynced and replaces `path` when the block ends, or is removed when the block fails. A
+    reader never sees half a file, and a writer killed midway (or a machine that loses power
+    just after the rename) leaves the old file or the whole new one, plus at most a stray
+    temporary that the job's next start removes (runtime/job_state.py). Every record file,
+    plot and checkpoint of a run is written through it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -126,10 +127,30 @@ def atomic_replace(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it private; a run's files are not
+        _fsync(tmp)  # the data on disk before the name points at it
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _fsync(path.parent, directory=True)
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    """Flush a file's data (or a folder's entries: the rename) to disk. Some filesystems
+    refuse a folder's fsync; the rename is then as durable as they make it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    except OSError:
+        if directory:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
