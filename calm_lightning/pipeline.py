@@ -18,6 +18,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from calm_lightning.evaluation.heldout_pass import heldout_metrics
 from calm_lightning.evaluation.lm_eval_retention import RetentionStep
 from calm_lightning.evaluation.results import format_table, run_meta
 from calm_lightning.evaluation.scorers import MCQAScorer, scorer_from_config
@@ -184,6 +185,10 @@ def _run(cfg: DictConfig, cls, sources: dict, job, ckpt_path) -> RunResult:
         with stopwatch.phase("evaluate"):
             evaluation = evaluate(trainer, module, datamodule, cfg, cfg.method.name, out)
         rows[cfg.method.name] = evaluation.metrics
+        heldout = None
+        if cfg.evaluation.get("heldout_metrics", True):
+            with stopwatch.phase("evaluate_heldout"):
+                heldout = heldout_metrics(trainer, module, datamodule, cfg.evaluation.n_bins)
         if retention.enabled and module.changes_model:
             with stopwatch.phase("retention"):
                 retention.evaluate(cfg.method.name, module.model, loaded.tokenizer)
@@ -192,6 +197,8 @@ def _run(cfg: DictConfig, cls, sources: dict, job, ckpt_path) -> RunResult:
         extra |= {"attempts": job.attempts(), **distortion_record(distortion)}
         if cached:
             extra["base_cache"] = cached
+        if heldout:
+            extra["heldout"] = heldout
         summary = datamodule.summary(evaluation.summary.get("option_tokens"))
         result = RunResult(out, evaluation, rows, extra, data_summary=summary)
         if main:

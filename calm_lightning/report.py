@@ -1,7 +1,9 @@
 """`python -m calm_lightning.report <run or sweep dirs> [--out DIR] [--min-accuracy-ratio 0.8]
-[--publish]`: paper-style tables, chosen hyper-parameters and a reliability-diagram grid from
-finished runs; for runs logged with W&B, the sweep's dashboard (saved W&B views) written to the
-first folder as wandb_views.json and, with --publish, created on W&B."""
+[--select-on test|heldout|both] [--reference ts] [--resamples 1000] [--publish]`: paper-style
+tables with 95 % intervals, paired differences against base and a reference method, per-source
+tables, chosen hyper-parameters and a reliability-diagram grid from finished runs; for runs
+logged with W&B, the sweep's dashboard (saved W&B views) written to the first folder as
+wandb_views.json and, with --publish, created on W&B."""
 
 from __future__ import annotations
 
@@ -19,6 +21,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep runs whose accuracy exceeds this fraction of base (paper: 0.8)",
     )
     parser.add_argument(
+        "--select-on",
+        choices=("test", "heldout", "both"),
+        default="test",
+        help="where the rule picks each method's setting: test (the paper's rule, on the test "
+        "split itself), heldout (each run's held-out metrics) or both, side by side",
+    )
+    parser.add_argument(
+        "--reference",
+        default="ts",
+        help="the method every other is compared with on the same questions, besides base",
+    )
+    parser.add_argument(
+        "--resamples",
+        type=int,
+        default=1000,
+        help="paired-bootstrap resamples of each comparison (0: differences without intervals)",
+    )
+    parser.add_argument(
         "--publish",
         action="store_true",
         help="create the sweep's W&B views online (needs a login and the runs synced)",
@@ -28,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Write the report of `args.dirs` and print its tables."""
+    from calm_lightning.metrics.bootstrap import BootstrapSettings
     from calm_lightning.reporting.collect import collect
     from calm_lightning.reporting.dashboard import publish, write_dashboard
     from calm_lightning.reporting.render import write_report
@@ -41,7 +62,16 @@ def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not runs:
         parser.error(f"no runs found (no readable {CONFIG_FILE} below the given directories)")
     out = Path(args.out) if args.out else Path(args.dirs[0]) / "report"
-    result = write_report(runs, out, args.min_accuracy_ratio, collection)
+    bootstrap = BootstrapSettings(resamples=max(0, args.resamples), smece_resamples=0)
+    result = write_report(
+        runs,
+        out,
+        args.min_accuracy_ratio,
+        collection,
+        select_on=args.select_on,
+        reference=args.reference,
+        bootstrap=bootstrap,
+    )
     print(result["markdown"])
     print(
         f"written: {out}/report.md, results.csv, selected.csv"

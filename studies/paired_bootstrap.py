@@ -4,8 +4,8 @@ The study's test split has 320 questions and its held-out split 160; a conf-ECE 
 few is noisy, and two runs scored on the same questions share most of that noise. This script
 reads two runs' `predictions.jsonl`, pairs the questions by id and reports each run's
 conf-ECE, their difference (b − a) and the paired bootstrap's standard error and 95 %
-percentile interval of that difference (the same resampled questions for both runs), with
-scipy's `stats.bootstrap`.
+percentile interval of that difference (the same resampled questions for both runs), with the
+package's vectorised bootstrap (calm_lightning/metrics/bootstrap.py, which the report uses).
 
     python studies/paired_bootstrap.py RUN_A RUN_B [--metric conf_ece|classwise_ece|nll|accuracy]
         [--resamples 2000] [--seed 0]
@@ -44,48 +44,33 @@ def paired(a: dict, b: dict):
             np.array([a[i][1] for i in ids]))  # fmt: skip
 
 
-def compare(pa, pb, labels, metric: str = "conf_ece", resamples: int = 2000, seed: int = 0) -> dict:
-    """The metric of each run, the difference b − a, and the paired bootstrap of it."""
-    import numpy as np
-    from scipy import stats
+# The script's metric names -> the package's keys (metrics.json's).
+METRICS = {"conf_ece": "conf_ece", "classwise_ece": "cw_ece", "nll": "nll", "accuracy": "accuracy"}
 
-    from calm_lightning.metrics.calibration import (
-        accuracy,
-        classwise_ece,
-        confidence_ece,
-        negative_log_likelihood,
+
+def compare(pa, pb, labels, metric: str = "conf_ece", resamples: int = 2000, seed: int = 0) -> dict:
+    """The metric of each run, the difference b − a, and the paired bootstrap of it (the
+    package's, calm_lightning/metrics/bootstrap.py: the report uses the same)."""
+    from calm_lightning.metrics.bootstrap import (
+        BootstrapSettings,
+        ScoredQuestions,
+        paired_differences,
     )
 
-    # The run's own metric functions: NLL caps -log p at the same eps as metrics.json.
-    fn = {
-        "conf_ece": confidence_ece,
-        "classwise_ece": classwise_ece,
-        "nll": negative_log_likelihood,
-        "accuracy": accuracy,
-    }[metric]
-
-    def difference(index):
-        index = index.astype(int)
-        return fn(pb[index], labels[index]) - fn(pa[index], labels[index])
-
-    # Resampling question indices, one sample: both runs see the same questions each time.
-    result = stats.bootstrap((np.arange(len(labels)),), difference, n_resamples=resamples,
-                             vectorized=False, method="percentile",
-                             random_state=np.random.default_rng(seed))  # fmt: skip
-    low, high = result.confidence_interval
-    a, b = fn(pa, labels), fn(pb, labels)
-    return {"metric": metric, "questions": len(labels), "a": a, "b": b, "difference": b - a,
-            "standard_error": float(result.standard_error),
-            "ci95": [float(low), float(high)]}  # fmt: skip
+    key = METRICS[metric]
+    # Resampling question indices: both runs see the same questions each time.
+    pair = (ScoredQuestions.from_probs(pa, labels), ScoredQuestions.from_probs(pb, labels))
+    out = paired_differences([pair], (key,), BootstrapSettings(resamples, seed, 0))[key]
+    return {"metric": metric, "questions": out.questions, "a": out.a, "b": out.b,
+            "difference": out.difference, "standard_error": out.standard_error,
+            "ci95": [float(x) for x in out.ci95]}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_a", type=Path)
     parser.add_argument("run_b", type=Path)
-    parser.add_argument(
-        "--metric", choices=["conf_ece", "classwise_ece", "nll", "accuracy"], default="conf_ece"
-    )
+    parser.add_argument("--metric", choices=list(METRICS), default="conf_ece")
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

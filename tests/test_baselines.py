@@ -208,7 +208,8 @@ def test_methods_run_end_to_end_on_demo(tmp_path, method, extra, compose):
     metrics = run_experiment(cfg).metrics
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["method"] == method and set(saved["comparison"]) == {"base", method}
-    assert metrics["n"] == 16 and all(np.isfinite(v) for v in metrics.values())
+    numbers = [v for k, v in metrics.items() if not isinstance(v, dict) and k != "auroc"]
+    assert metrics["n"] == 16 and all(np.isfinite(v) for v in numbers)
     assert (tmp_path / "calibration").is_dir()
     if method == "ts":
         info = saved["posthoc"]
@@ -239,6 +240,103 @@ def test_methods_run_in_the_id_setting(tmp_path, method, compose, id_overrides):
         assert saved["posthoc"]["n"] == 1  # half of the 2-item calibration split
 
 
+# ----- histogram binning and isotonic regression (top-label) -----
+
+
+def test_histogram_binning_by_hand_and_against_scikit_learn():
+    from sklearn.calibration import calibration_curve
+
+    from calm_lightning.calibrators.top_label import fit_histogram_binning
+
+    # 2 equal-mass bins of 6: edge at the median (.45); {.1, .2, .3 | .6, .7, .9}
+    conf = np.array([0.9, 0.1, 0.6, 0.2, 0.7, 0.3])
+    hit = np.array([1, 0, 1, 1, 0, 0])
+    fitted = fit_histogram_binning(conf, hit, n_bins=2)
+    assert fitted.x == pytest.approx([0.45]) and fitted.y == pytest.approx([1 / 3, 2 / 3])
+    assert fitted([0.05, 0.3, 0.46, 1.0]) == pytest.approx([1 / 3, 1 / 3, 2 / 3, 2 / 3])
+    rng = np.random.default_rng(0)
+    conf = rng.uniform(0.25, 1.0, 500)
+    hit = (rng.uniform(size=500) < conf**2).astype(float)
+    fitted = fit_histogram_binning(conf, hit, n_bins=10)
+    expected, _ = calibration_curve(hit, conf, n_bins=10, strategy="quantile")
+    assert fitted.y == pytest.approx(expected, abs=1e-12)
+    assert fitted(conf) == pytest.approx(expected[np.searchsorted(fitted.x, conf)], abs=1e-12)
+
+
+def _pool_adjacent_violators(x, y):
+    """Isotonic fit of y on x (distinct x) by a plain loop: merge neighbouring blocks while a
+    block's mean exceeds the next one's."""
+    order = np.argsort(x)
+    blocks = []  # [sum, count]
+    for value in y[order]:
+        blocks.append([float(value), 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted = np.concatenate([[total / count] * count for total, count in blocks])
+    out = np.empty_like(fitted)
+    out[order] = fitted
+    return out
+
+
+def test_isotonic_fit_matches_a_hand_pool_adjacent_violators_loop():
+    from calm_lightning.calibrators.top_label import fit_isotonic
+
+    rng = np.random.default_rng(1)
+    conf = rng.uniform(0.25, 1.0, 300)
+    hit = (rng.uniform(size=300) < conf**3).astype(float)
+    fitted = fit_isotonic(conf, hit)
+    assert fitted(conf) == pytest.approx(_pool_adjacent_violators(conf, hit), abs=1e-12)
+    assert np.all(np.diff(fitted(np.linspace(0, 1, 101))) >= 0)
+    assert fitted([0.0, 1.5]) == pytest.approx([fitted.y[0], fitted.y[-1]])  # clipped outside
+
+
+def test_recalibrate_puts_the_mapped_confidence_on_the_answer():
+    from calm_lightning.calibrators.top_label import TopLabelMap, recalibrate
+
+    halve = TopLabelMap("isotonic", np.array([0.0, 1.0]), np.array([0.0, 0.5]), 2)
+    probs = np.array([[0.6, 0.3, 0.1], [0.0, 1.0, 0.0], [0.2, 0.2, 0.6]])
+    out, answer = recalibrate(probs, halve)
+    assert answer.tolist() == [0, 1, 2]
+    # .6 -> .3, the rest (.4) scaled to .7: .3 * 7/4, .1 * 7/4; a saturated row spreads evenly
+    expected = np.array([[0.3, 0.525, 0.175], [0.25, 0.5, 0.25], [0.35, 0.35, 0.3]])
+    assert np.allclose(out, expected, atol=1e-12)
+    assert out.sum(1) == pytest.approx(np.ones(3))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method", ["hb", "isotonic"])
+def test_top_label_maps_run_in_the_id_setting(tmp_path, method, compose, id_overrides):
+    from calm_lightning.runtime.run_record import read_predictions
+
+    cfg = compose([*TINY, f"method={method}", *id_overrides], tmp_path)
+    metrics = run_experiment(cfg).metrics
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    info = saved["posthoc"]
+    assert info["fitted_on"] == "mcqa_calibration_half" and info["n"] == 1
+    assert info["map"] == {"hb": "histogram", "isotonic": "isotonic"}[method]
+    assert (tmp_path / "calibration" / "top_label_map.json").is_file()
+    # The answer is the base row's argmax: accuracy unchanged, the confidence mapped.
+    assert metrics["accuracy"] == saved["comparison"]["base"]["accuracy"]
+    base = {r["id"]: r for r in read_predictions(tmp_path / "base")}
+    for row in read_predictions(tmp_path):
+        assert row["prediction"] == base[row["id"]]["prediction"]
+        assert sum(row["probs"]) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.integration
+def test_histogram_binning_fits_on_held_out_response_tokens_out_of_domain(tmp_path, compose):
+    cfg = compose([*TINY, *DEMO, "method=hb", "method.module.bins=4"], tmp_path)
+    metrics = run_experiment(cfg).metrics
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    info = saved["posthoc"]
+    assert info["fitted_on"] == "heldout_response_tokens" and info["n"] > 16
+    assert len(info["y"]) == 4 and all(0 <= v <= 1 for v in info["y"])
+    assert metrics["accuracy"] == saved["comparison"]["base"]["accuracy"]
+    assert {"auroc", "aurc", "ci95"} <= set(metrics)
+
+
 def test_label_smoothing_refuses_ood_before_loading_a_model(tmp_path, monkeypatch, compose):
     import calm_lightning.pipeline as pipeline
 
@@ -267,7 +365,8 @@ def test_baseline_on_the_embedded_model(tmp_path, method, compose):
     metrics = run_experiment(cfg).metrics
     saved = json.loads((tmp_path / "metrics.json").read_text())
     base = saved["comparison"]["base"]
-    assert all(np.isfinite(v) for v in metrics.values()) and metrics["n"] == 64
+    numbers = [v for v in metrics.values() if not isinstance(v, dict)]  # not ci95, by_source
+    assert all(np.isfinite(v) for v in numbers) and metrics["n"] == 64
     if method == "ts":
         # A temperature never changes the argmax, and it was fitted to lower held-out NLL.
         assert metrics["accuracy"] == base["accuracy"]

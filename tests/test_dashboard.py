@@ -83,6 +83,9 @@ def test_views_name_every_run_and_mark_the_pick(tmp_path, compose, capsys):
     on_disk = {read_wandb_id(p) for p in sweep.iterdir() if read_wandb_id(p)}
     assert {r["id"] for r in definition["runs"]} == on_disk == {*ids.values(), "ts0"}
     assert definition["picked"] == {"tiny/demo/calm": [ids[0.05]], "tiny/demo/ts": ["ts0"]}
+    # Each run by its folder as seen from the sweep's: no local path in a shareable file.
+    assert sorted(r["path"] for r in definition["runs"]) == ["0_calm", "1_calm", "2_calm", "3_ts"]
+    assert str(tmp_path) not in (sweep / DASHBOARD_FILE).read_text()
 
     views = {v["name"]: v for v in definition["views"]}
     calm = views[f"{sweep.name} · tiny / demo / calm"]

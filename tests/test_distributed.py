@@ -781,22 +781,28 @@ def test_gpu_check_runs_from_a_checkout_root_with_its_default_output_folder(tmp_
     `outputs` as the URL's host and the collectives check failed ("No such file or
     directory"; with torch 2.13 on a CPU it waited on the store until this test's timeout). The
     checkout is a copy of the script beside this package, so the repository's
-    own outputs/ is left alone."""
+    own outputs/ is left alone. Run twice: each run has a fresh folder of its own, said first."""
     checkout = tmp_path / "checkout"
     (checkout / "scripts").mkdir(parents=True)
     shutil.copy(GPU_CHECK, checkout / "scripts" / "gpu_check.sh")
     (checkout / "calm_lightning").symlink_to(ROOT / "calm_lightning")
     env = {**os.environ, "PYTHON": sys.executable}
-    done = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--cpu", "--only", "collectives"],
-        cwd=checkout, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert done.stdout.startswith("PASS collectives"), done.stdout
-    out = checkout / "outputs" / "gpu_check"
-    record = json.loads((out / "gpu_check.json").read_text())
-    assert [c["status"] for c in record["checks"]] == ["PASS"]
-    assert (out / "collectives" / "store").parent.is_dir()
+    folders = []
+    for _ in range(2):
+        done = subprocess.run(
+            ["bash", "scripts/gpu_check.sh", "--cpu", "--only", "collectives"],
+            cwd=checkout, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        first, second = done.stdout.splitlines()[:2]
+        assert first.startswith("gpu_check: writing to ") and second.startswith("PASS collectives")
+        out = Path(first.removeprefix("gpu_check: writing to "))
+        assert out.parent == (checkout / "outputs" / "gpu_check").resolve()
+        record = json.loads((out / "gpu_check.json").read_text())
+        assert [c["status"] for c in record["checks"]] == ["PASS"]
+        assert (out / "collectives" / "store").parent.is_dir()
+        folders.append(out)
+    assert folders[0] != folders[1]
 
 
 @pytest.mark.system
@@ -815,7 +821,8 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
         ln for ln in done.stdout.splitlines() if ln.split(" ", 1)[0] in {"PASS", "FAIL", "SKIP"}
     ]
     assert [ln.split()[1] for ln in lines] == ORDER  # one line per check, in order
-    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    (out,) = [p for p in tmp_path.iterdir() if p.is_dir()]  # this invocation's own folder
+    record = json.loads((out / "gpu_check.json").read_text())
     status = {c["name"]: c["status"] for c in record["checks"]}
     skipped = {"qlora_nf4", "fsdp_reg"}  # CUDA only
     assert all(status[n] == "SKIP" for n in skipped)
@@ -825,5 +832,12 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     # Both CALM schedules logged their training values and wrote a resolved bf16-mixed config.
     for schedule in ("per_step", "amortized"):
         assert data[f"calm_bf16_{schedule}"]["logged_values"] > 0
-        config = (tmp_path / f"calm_bf16_{schedule}" / "config_resolved.yaml").read_text()
+        config = (out / f"calm_bf16_{schedule}" / "config_resolved.yaml").read_text()
         assert f"schedule: {schedule}" in config and "tokenizer: bytes" in config
+    # A second run into the same --out checks afresh: its CALM runs train again (they used to
+    # find the first run's finished folders and log nothing).
+    again = subprocess.run(
+        ["bash", str(GPU_CHECK), "--cpu", "--out", str(tmp_path), "--only", "calm_bf16_per_step"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert again.returncode == 0 and "PASS calm_bf16_per_step" in again.stdout, again.stdout

@@ -17,10 +17,14 @@ from calm_lightning.metrics.calibration import (
     calibration_report,
     classwise_ece,
     confidence_ece,
+    debiased_calibration_error,
+    equal_mass_ece,
     maximum_calibration_error,
     negative_log_likelihood,
     reliability_bins,
+    smooth_ece,
 )
+from calm_lightning.metrics.ranking import aurc, auroc, selective_accuracy
 
 # --- hand-worked examples -------------------------------------------------------------------
 
@@ -116,10 +120,26 @@ def test_report_keys_values_and_torch_input():
         "avg_ce",
         "brier",
         "nll",
+        "ece_em",
+        "rmsce_debiased",
+        "smece",
+        "auroc",
+        "aurc",
+        "sel_acc_80",
         "mean_confidence",
         "n",
     ]
     assert report["n"] == 4 and isinstance(report["n"], int)
+    # top-label pairs (conf, correct): (.7, 1), (.6, 0), (.4, 1), (.8, 1)
+    # AUROC: the wrong .6 is below .7 and .8, above .4 -> 2/3
+    # risk by coverage (.8, .7, .6, .4): 0, 0, 1/3, 1/4 -> AURC 7/48; 80 % = all 4 -> 3/4
+    # equal mass, 2 ranges: {.4, .6} conf .5 acc .5 gap 0; {.7, .8} conf .75 acc 1 gap .25
+    # -> EM-ECE .125; debiased: .5 (0 - .25 / 1) + .5 (.0625 - 0) < 0 -> 0
+    assert report["auroc"] == pytest.approx(2 / 3)
+    assert report["aurc"] == pytest.approx(7 / 48)
+    assert report["sel_acc_80"] == pytest.approx(0.75)
+    assert report["ece_em"] == pytest.approx(0.125)
+    assert report["rmsce_debiased"] == 0.0
     assert report["mean_confidence"] == pytest.approx(2.5 / 4)
     assert report["conf_ece"] == pytest.approx(0.175)
     assert report["cw_ece"] == pytest.approx(0.25)
@@ -398,3 +418,132 @@ def test_plot_accepts_torch_and_str_path(tmp_path):
         torch.tensor(HAND3_PROBS), torch.tensor(HAND3_LABELS), str(tmp_path / "small.png"), n_bins=2
     )
     assert out.exists() and out.stat().st_size > 0
+
+
+# --- ranking, equal-mass, debiased and smooth errors ------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auroc_matches_scikit_learn_with_ties(seed):
+    from sklearn.metrics import roc_auc_score
+
+    probs, labels = _random_case(seed, 4, n=300)
+    probs = np.round(probs, 1) + 1e-9  # many tied confidences
+    probs /= probs.sum(1, keepdims=True)
+    conf, correct = probs.max(1), probs.argmax(1) == labels
+    expected = roc_auc_score(correct, conf)
+    assert auroc(conf, correct) == pytest.approx(expected, abs=1e-12)
+    assert calibration_report(probs, labels)["auroc"] == pytest.approx(expected, abs=1e-12)
+    assert math.isnan(auroc(conf, np.ones_like(correct)))  # one class: undefined
+
+
+def _risk_by_loop(conf, correct, order):
+    """risk[k - 1] = the error rate of the first k answers taken in `order`."""
+    wrong = [0 if correct[i] else 1 for i in order]
+    return [sum(wrong[:k]) / k for k in range(1, len(order) + 1)]
+
+
+def test_risk_coverage_averages_the_orders_of_tied_answers():
+    import itertools
+
+    from calm_lightning.metrics.ranking import risk_coverage
+
+    conf = np.array([0.9, 0.5, 0.9, 0.7, 0.5, 0.5])
+    correct = np.array([1, 0, 0, 1, 1, 0])
+    # every order that sorts confidence descending: the ties {0, 2} and {1, 4, 5} permuted
+    orders = [
+        [*top, 3, *low]
+        for top in itertools.permutations([0, 2])
+        for low in itertools.permutations([1, 4, 5])
+    ]
+    expected = np.mean([_risk_by_loop(conf, correct, o) for o in orders], 0)
+    assert risk_coverage(conf, correct) == pytest.approx(expected, abs=1e-12)
+    assert aurc(conf, correct) == pytest.approx(expected.mean(), abs=1e-12)
+    # 80 % of 6 = 4.8 -> the 5 most confident
+    assert selective_accuracy(conf, correct) == pytest.approx(1 - expected[4], abs=1e-12)
+    assert selective_accuracy(conf, correct, 0.5) == pytest.approx(1 - expected[2], abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_aurc_matches_a_loop_without_ties(seed):
+    probs, labels = _random_case(seed, 4, n=200)
+    conf, correct = probs.max(1), probs.argmax(1) == labels
+    risk = _risk_by_loop(conf, correct, np.argsort(-conf))
+    assert aurc(conf, correct) == pytest.approx(np.mean(risk), abs=1e-12)
+    assert selective_accuracy(conf, correct) == pytest.approx(1 - risk[159], abs=1e-12)
+
+
+def _ranges_by_loop(conf, correct, n_ranges):
+    """(size, mean conf, accuracy) of each equal-mass range, by a plain loop."""
+    order = sorted(range(len(conf)), key=lambda i: (conf[i], i))
+    size, start, out = len(order) // n_ranges, 0, []
+    extra = len(order) % n_ranges
+    for r in range(n_ranges):
+        stop = start + size + (1 if r < extra else 0)
+        chunk = order[start:stop]
+        if chunk:
+            out.append(
+                (len(chunk), sum(conf[i] for i in chunk) / len(chunk),
+                 sum(correct[i] for i in chunk) / len(chunk))
+            )  # fmt: skip
+        start = stop
+    return out
+
+
+@pytest.mark.parametrize(("seed", "n_bins"), [(5, 10), (6, 7), (7, 15)])
+def test_equal_mass_and_debiased_errors_match_a_loop(seed, n_bins):
+    probs, labels = _random_case(seed, 4, n=203)
+    conf, correct = probs.max(1), (probs.argmax(1) == labels).astype(float)
+    ranges = _ranges_by_loop(conf, correct, n_bins)
+    n = len(conf)
+    ece = sum(size / n * abs(acc - c) for size, c, acc in ranges)
+    squared = sum(
+        size / n * ((acc - c) ** 2 - acc * (1 - acc) / (size - 1)) for size, c, acc in ranges
+    )
+    assert equal_mass_ece(probs, labels, n_bins) == pytest.approx(ece, abs=1e-12)
+    expected = math.sqrt(max(0.0, squared))
+    assert debiased_calibration_error(probs, labels, n_bins) == pytest.approx(expected, abs=1e-12)
+    report = calibration_report(probs, labels, n_bins=n_bins)
+    assert report["ece_em"] == pytest.approx(ece, abs=1e-12)
+    assert report["rmsce_debiased"] == pytest.approx(expected, abs=1e-12)
+
+
+def test_the_debiased_error_removes_the_plug_in_bias_of_a_calibrated_model():
+    """Answers right with probability equal to their confidence: the plug-in squared error of
+    equal-mass ranges is positive by construction; the debiased one averages near zero."""
+    from calm_lightning.metrics.calibration import _debiased_squared_ce
+
+    rng = np.random.default_rng(8)
+    plug_in, debiased = [], []
+    for _ in range(200):
+        conf = rng.uniform(0.3, 1.0, 200)
+        hit = (rng.uniform(size=200) < conf).astype(float)
+        ranges = _ranges_by_loop(conf, hit, 10)
+        plug_in.append(sum(s / 200 * (a - c) ** 2 for s, c, a in ranges))
+        debiased.append(_debiased_squared_ce(conf, hit, 10))
+    assert np.mean(plug_in) > 0.008  # about the mean of acc (1 - acc) / 19
+    assert abs(np.mean(debiased)) < 0.1 * np.mean(plug_in)
+
+
+def test_smooth_ece_matches_a_direct_kernel_sum():
+    """relplot's smECE against the reflected-Gaussian kernel smoother summed directly (no grid),
+    at the bandwidth relplot chose, which is its own fixed point (smECE_sigma = sigma)."""
+    import relplot
+    from scipy.stats import norm
+
+    rng = np.random.default_rng(9)
+    for shape in (1.0, 2.0):  # calibrated, over-confident
+        f = rng.uniform(0.25, 1.0, 300)
+        y = (rng.uniform(size=300) < f**shape).astype(float)
+        value, sigma = relplot.smECE(f, y, return_width=True)
+        t = np.linspace(0, 1, max(200, round(10 / sigma)))
+        # reflections at 0 and 1 keep the kernel's mass inside [0, 1]
+        k = sum(norm.pdf(t[:, None] - image[None, :], scale=sigma) for image in (f, -f, 2 - f))
+        direct = np.abs(k @ (f - y)).sum() / k.sum()
+        assert value == pytest.approx(direct, abs=1e-3)
+        assert value == pytest.approx(sigma, abs=2e-3)
+    # through the metric's own entry: top-label pairs of option vectors (option 0 on top)
+    top = f > 0.5
+    probs = np.stack([f[top], 1 - f[top]], 1)
+    expected = relplot.smECE(f[top], y[top])
+    assert smooth_ece(probs, 1 - y[top].astype(int)) == pytest.approx(expected, abs=1e-12)

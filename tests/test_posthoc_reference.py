@@ -365,7 +365,8 @@ def test_posthoc_sweep_and_report_give_mean_and_std_over_seeds(tmp_path):
     assert report_main([str(tmp_path / "sweep")]) == 0
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
     assert "| MCE | ACE | AvgCE | Brier |" in report
-    rows = [line for line in report.splitlines() if line.startswith(("| base", "| daca"))]
+    table = report.split("\n### ", 1)[1].split("\n\n", 2)[1]  # the first table, not the paired
+    rows = [line for line in table.splitlines() if line.startswith(("| base", "| daca"))]
     assert len(rows) == 2 and all(row.endswith("| 2 |") for row in rows)
 
 

@@ -21,6 +21,8 @@ from calm_lightning.data.records import OpenQARecord
 from calm_lightning.evaluation.mcqa import OptionTokens
 from calm_lightning.evaluation.openqa import OpenQAPredictions, OpenQASettings, score_openqa_batch
 from calm_lightning.evaluation.results import mcqa_evaluation, plot_mcqa_reliability
+from calm_lightning.metrics.bootstrap import BootstrapSettings, ScoredQuestions
+from calm_lightning.metrics.by_source import question_spread
 from calm_lightning.metrics.calibration import calibration_report
 from calm_lightning.runtime.distributed import gather_objects, world
 
@@ -59,6 +61,17 @@ class MCQAPredictions:
             self.probs, self.labels, n_bins=n_bins, predictions=self.predicted
         )
         return {**metrics, **self.extra}
+
+    def spread(self, n_bins: int, settings: BootstrapSettings, sources: dict) -> dict:
+        """metrics.json's `ci95` and, for a pooled test, `by_source` (`sources`: question id
+        -> the source its record names)."""
+
+        def row(index):
+            index = slice(None) if index is None else index
+            stated = None if self.predicted is None else self.predicted[index]
+            return ScoredQuestions.from_probs(self.probs[index], self.labels[index], stated, n_bins)
+
+        return question_spread(row, [sources.get(i) for i in self.ids], settings)
 
     def evaluation(self, metrics: dict, meta: dict):
         """The run record of this evaluation (metrics.json payload, predictions rows)."""
@@ -118,6 +131,7 @@ class TestEvaluator:
             openqa if isinstance(openqa, OpenQASettings) else OpenQASettings(**(openqa or {}))
         )
         self.gather, self.world = gather, world
+        self.split = "test"  # what the pass's numbers are logged under (heldout_pass.py: heldout)
         self.open_ended = False
         self.option_tokens: OptionTokens | None = None
         self.predictions: MCQAPredictions | OpenQAPredictions | None = None

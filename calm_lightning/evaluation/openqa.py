@@ -17,6 +17,9 @@ import torch
 from calm_lightning.config_rules import Flag, Number, OneOf, check_values
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.sampling import sample_answers
+from calm_lightning.metrics.bootstrap import BootstrapSettings, ScoredQuestions
+from calm_lightning.metrics.by_source import question_spread
+from calm_lightning.metrics.ranking import SELECTIVE_COVERAGE, aurc, auroc, selective_accuracy
 from calm_lightning.metrics.reliability import plot_confidence_reliability
 from calm_lightning.metrics.semantic import (
     Clusterer,
@@ -124,11 +127,29 @@ class OpenQAPredictions:
         return {
             "sem_ece": semantic_ece(conf, correct, n_bins),
             "accuracy": float(correct.mean()),
+            "auroc": auroc(conf, correct),
+            "aurc": aurc(conf, correct),
+            "sel_acc_80": selective_accuracy(conf, correct, SELECTIVE_COVERAGE),
             "mean_confidence": float(conf.mean()),
             "unattempted": float(np.mean([r["unattempted"] for r in self.rows])),
             "mean_clusters": float(np.mean([r["n_clusters"] for r in self.rows])),
             "n": len(self.rows),
         }
+
+    def spread(self, n_bins: int, settings: BootstrapSettings, sources: dict) -> dict:
+        """metrics.json's `ci95` (Sem-ECE, accuracy and the ranking metrics) and, when the
+        questions come from several sources, `by_source`."""
+        conf, correct = self.confidences, self.correct
+
+        def row(index):
+            index = slice(None) if index is None else index
+            return ScoredQuestions(conf[index], correct[index], n_bins=n_bins)
+
+        keys = [sources.get(r["id"]) for r in self.rows]
+        spread = question_spread(row, keys, settings, rename={"conf_ece": "sem_ece"})
+        kept = {"sem_ece", "accuracy", "auroc", "aurc", "sel_acc_80"}
+        spread["ci95"] = {k: v for k, v in spread["ci95"].items() if k in kept}
+        return spread
 
     def evaluation(self, metrics: dict, meta: dict) -> Evaluation:
         """The run record: metrics.json's payload and one predictions row per question

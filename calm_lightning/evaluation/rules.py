@@ -8,6 +8,7 @@ from calm_lightning.config_rules import Flag, Number, Text
 from calm_lightning.evaluation.lm_eval_tasks import RetentionSettings
 from calm_lightning.evaluation.openqa import OpenQASettings
 from calm_lightning.evaluation.scorers import SCORING_RULES, ClozeScorer
+from calm_lightning.metrics.bootstrap import BootstrapSettings
 
 EVALUATION_RULES = {
     **SCORING_RULES,  # scoring, option_tokens, probe_size, cloze.* (the scorers' own rules)
@@ -16,6 +17,8 @@ EVALUATION_RULES = {
     "base_cache": Flag(),
     "base_cache_dir": Text(optional=True),
     "min_accuracy_ratio": Number(minimum=0, maximum=1),
+    "heldout_metrics": Flag(),
+    **{f"bootstrap.{key}": rule for key, rule in BootstrapSettings.rules.items()},
     **{f"openqa.{key}": rule for key, rule in OpenQASettings.rules.items()},
     **{f"retention.{key}": rule for key, rule in RetentionSettings.rules.items()},
 }

@@ -19,6 +19,7 @@ from calm_lightning.evaluation.base_cache import BaseCache, base_fingerprint, re
 from calm_lightning.evaluation.lm_eval_retention import preserved_rng
 from calm_lightning.evaluation.mcqa import OptionTokens
 from calm_lightning.evaluation.results import run_meta
+from calm_lightning.metrics.bootstrap import BootstrapSettings
 from calm_lightning.models.calibrated_lm import CalibratedLM
 from calm_lightning.runtime.distributed import is_main_process
 from calm_lightning.runtime.run_record import (
@@ -37,6 +38,10 @@ def evaluate(trainer, module, datamodule, cfg: DictConfig, name: str, out: Path)
     share; rank 0 writes the gathered predictions and the reliability diagram under `out`)."""
     trainer.test(module, datamodule=datamodule, verbose=False)
     metrics = module.predictions.report(cfg.evaluation.n_bins)
+    # ci95 and by_source: seconds of NumPy (metrics/bootstrap.py), the same on every process
+    bootstrap = BootstrapSettings.from_config(cfg.evaluation.get("bootstrap"))
+    sources = {r.id: r.source or None for r in datamodule.records.get("test", ())}
+    metrics |= module.predictions.spread(cfg.evaluation.n_bins, bootstrap, sources)
     evaluation = module.predictions.evaluation(metrics, {**run_meta(cfg), "method": name})
     if is_main_process():
         write_predictions(out, evaluation)
@@ -72,14 +77,14 @@ def evaluate_base(
     # This run's names (seed, setting) in place of the first job's, in the same key order.
     meta = {**run_meta(cfg), "method": "base"}
     summary = {key: meta.get(key, value) for key, value in summary.items()}
-    evaluation = Evaluation(summary, read_predictions(record["entry"]))
+    evaluation = Evaluation(summary, read_predictions(cache.entry(record)))
     tokens = summary.get("option_tokens")
     if tokens is not None:  # the method's row is scored with the base row's option tokens
         module.option_tokens = OptionTokens(
             tokens["style"], tuple(tokens["ids"]), tokens["letters"]
         )
     if is_main_process():
-        cache.restore(record["entry"], folder)
+        cache.restore(cache.entry(record), folder)
         write_row(folder, evaluation)
     return evaluation, record
 
@@ -96,7 +101,7 @@ def evaluate_base_retention(retention, module, tokenizer, cfg, out: Path, cache:
     if record["status"] == "read":
         retention.rows["base"] = row
         if is_main_process():
-            cache.restore(record["entry"], folder)
+            cache.restore(cache.entry(record), folder)
     return record
 
 

@@ -133,7 +133,8 @@ class CalibrationMethod(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         metrics = self.evaluator.finish()
-        self.log_dict({f"test/{k}": float(v) for k, v in metrics.items()}, sync_dist=False)
+        split = self.evaluator.split
+        self.log_dict({f"{split}/{k}": float(v) for k, v in metrics.items()}, sync_dist=False)
 
     def check_arguments(self, **values) -> None:
         """The class's `config_rules` applied to constructor arguments: the same checks the

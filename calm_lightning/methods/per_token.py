@@ -235,6 +235,10 @@ class ContextualCalibration(PosthocOptions):
         scored = super().option_probabilities(batch)
         if not self.p_cf:  # before calibration (the base row): the model as it is
             return scored
+        if any(qid not in self.p_cf for qid in batch["ids"]):
+            # questions the fit did not score (the held-out pass): their own content-free
+            # probabilities, as every test question has
+            self.p_cf.update(zip(batch["ids"], self.content_free_probs(batch), strict=True))
         p_cf = torch.stack([self.p_cf[qid] for qid in batch["ids"]]).to(scored.probs)
         logits = corrected_logits(scored.probs, p_cf) / self.fitted_temperature
         return ScoredOptions(torch.softmax(logits, dim=-1), side=scored.side)

@@ -20,6 +20,7 @@ import torch
 
 from calm_lightning.config_rules import Number, OneOf
 from calm_lightning.data.prompts import OPTION_LETTERS, mcqa_user_text, render_prompt
+from calm_lightning.data.records import MCQARecord
 from calm_lightning.errors import ConfigError
 from calm_lightning.evaluation.evaluator import ScoredOptions
 from calm_lightning.evaluation.mcqa import score_options
@@ -33,7 +34,13 @@ class _RecordsByIdMixin:
     """Gives a test step access to the records behind its batch (for re-prompting)."""
 
     def _index_test_records(self) -> None:
-        self._records = {r.id: r for r in self.trainer.datamodule._load("test")}
+        # every loaded MCQA split: the held-out pass (evaluation/heldout_pass.py) scores the
+        # calibration split through the same path
+        loaded = self.trainer.datamodule.records
+        self._records = {
+            r.id: r for rows in loaded.values() for r in rows if isinstance(r, MCQARecord)
+        }
+        self._records.update({r.id: r for r in self.trainer.datamodule._load("test")})
 
 
 def option_orders(k: int, kind: str) -> list[tuple[int, ...]]:

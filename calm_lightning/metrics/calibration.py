@@ -25,19 +25,27 @@ from typing import Any
 
 import numpy as np
 
+from calm_lightning.metrics.ranking import SELECTIVE_COVERAGE, aurc, auroc, selective_accuracy
+
 __all__ = [
     "ReliabilityBins",
     "accuracy",
     "adaptive_calibration_error",
     "average_calibration_error",
     "bin_indices",
+    "brier_rows",
     "brier_score",
     "calibration_report",
     "classwise_ece",
     "confidence_ece",
+    "debiased_calibration_error",
+    "equal_mass_ece",
     "maximum_calibration_error",
     "negative_log_likelihood",
+    "nll_rows",
     "reliability_bins",
+    "smooth_ece",
+    "top_label_pairs",
     "validate_inputs",
 ]
 
@@ -200,6 +208,26 @@ def _top_label(
     return p[np.arange(p.shape[0]), pred], (pred == y)
 
 
+def top_label_pairs(
+    probs: Any, labels: Any, predictions: Any = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Validated (probs, labels) and the top-label (confidence, correct) pairs, the answer
+    being the argmax or the stated `predictions`."""
+    p, y = validate_inputs(probs, labels)
+    conf, hit = _top_label(p, y, _validate_predictions(predictions, p))
+    return p, y, conf, hit
+
+
+def brier_rows(p: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Each question's Brier term, sum_k (p_k - onehot_k)^2 (validated inputs)."""
+    return _brier_rows(p, y)
+
+
+def nll_rows(p: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Each question's -log max(p_y, eps), the terms of `nll` (validated inputs)."""
+    return -np.log(np.maximum(p[np.arange(p.shape[0]), y], _NLL_EPS))
+
+
 def _validate_predictions(predictions: Any, p: np.ndarray) -> np.ndarray | None:
     if predictions is None:
         return None
@@ -295,6 +323,71 @@ def negative_log_likelihood(probs: Any, labels: Any, eps: float = _NLL_EPS) -> f
     return _nll(p, y, eps)
 
 
+def equal_mass_ranges(confidences: Any, correct: Any, n_ranges: int = 10):
+    """Top-label pairs sorted by confidence (stable) and split into `n_ranges` ranges of equal
+    mass (`np.array_split`, sizes differ by at most one; empty ranges dropped): per range its
+    size, mean confidence and accuracy."""
+    conf = _as_numpy(confidences, dtype=np.float64)
+    hit = _as_numpy(correct, dtype=np.float64)
+    order = np.argsort(conf, kind="stable")
+    chunks = [c for c in np.array_split(order, _check_n_bins(n_ranges, "n_ranges")) if c.size]
+    sizes = np.array([c.size for c in chunks], dtype=np.float64)
+    return (
+        sizes,
+        np.array([conf[c].mean() for c in chunks]),
+        np.array([hit[c].mean() for c in chunks]),
+    )
+
+
+def _equal_mass_ece(conf: np.ndarray, hit: np.ndarray, n_ranges: int) -> float:
+    sizes, mean_conf, acc = equal_mass_ranges(conf, hit, n_ranges)
+    return float(np.sum(sizes * np.abs(acc - mean_conf)) / sizes.sum())
+
+
+def _debiased_squared_ce(conf: np.ndarray, hit: np.ndarray, n_ranges: int) -> float:
+    sizes, mean_conf, acc = equal_mass_ranges(conf, hit, n_ranges)
+    # A range's squared gap overstates the true one by about the variance of its accuracy,
+    # acc (1 - acc) / (n - 1) (Kumar et al. 2019); a range of one answer has no such estimate
+    # and adds nothing.
+    many = sizes > 1
+    terms = (acc - mean_conf) ** 2 - acc * (1 - acc) / np.where(many, sizes - 1, 1)
+    return float(np.sum(np.where(many, sizes * terms, 0.0)) / sizes.sum())
+
+
+def equal_mass_ece(probs: Any, labels: Any, n_bins: int = 10, predictions: Any = None) -> float:
+    """Top-label ECE over `n_bins` ranges of equal mass (sorted confidences split as ACE
+    splits them): sum_r (n_r / N) |acc_r - conf_r|."""
+    p, y = validate_inputs(probs, labels)
+    conf, hit = _top_label(p, y, _validate_predictions(predictions, p))
+    return _equal_mass_ece(conf, hit, n_bins)
+
+
+def debiased_calibration_error(
+    probs: Any, labels: Any, n_bins: int = 10, predictions: Any = None
+) -> float:
+    """Kumar et al. 2019's debiased top-label l2 calibration error over equal-mass ranges:
+    sqrt(max(0, sum_r (n_r / N) [(acc_r - conf_r)^2 - acc_r (1 - acc_r) / (n_r - 1)])).
+    On the RMS scale, so it is at least the l1 error of the same ranges in expectation."""
+    p, y = validate_inputs(probs, labels)
+    conf, hit = _top_label(p, y, _validate_predictions(predictions, p))
+    return float(np.sqrt(max(0.0, _debiased_squared_ce(conf, hit, n_bins))))
+
+
+def smooth_ece(probs: Any, labels: Any, predictions: Any = None) -> float:
+    """Smooth ECE (Błasiok & Nakkiran 2023) of the top-label pairs, through `relplot`: the
+    kernel-smoothed residual E[y - f | f] integrated against the smoothed density, at the
+    bandwidth where the two are equal (no bins to choose)."""
+    p, y = validate_inputs(probs, labels)
+    conf, hit = _top_label(p, y, _validate_predictions(predictions, p))
+    return _smooth_ece(conf, hit)
+
+
+def _smooth_ece(conf: np.ndarray, hit: np.ndarray) -> float:
+    import relplot  # imports pandas and seaborn: only when a smooth ECE is asked for
+
+    return float(relplot.smECE(np.asarray(conf, np.float64), np.asarray(hit, np.float64)))
+
+
 def accuracy(probs: Any, labels: Any) -> float:
     """Fraction of examples whose argmax option (first on ties) is the label."""
     p, y = validate_inputs(probs, labels)
@@ -304,12 +397,15 @@ def accuracy(probs: Any, labels: Any) -> float:
 def calibration_report(
     probs: Any, labels: Any, n_bins: int = 10, predictions: Any = None
 ) -> dict[str, float]:
-    """All metrics at once; ``n_bins`` is also the number of ACE ranges, ``n`` is an int.
+    """All metrics at once; ``n_bins`` is also the number of ACE and equal-mass ranges, ``n``
+    is an int.
 
     ``ace`` is the adaptive calibration error (Nixon et al.), ``avg_ce`` netcal's average
-    calibration error. ``predictions`` (N,) overrides the argmax as the answer for accuracy,
-    conf-ECE, MCE and ``avg_ce`` (methods whose confidence belongs to a stated answer); the other
-    metrics read ``probs``.
+    calibration error, ``ece_em`` / ``rmsce_debiased`` / ``smece`` the equal-mass, debiased
+    and smooth top-label errors, ``auroc`` / ``aurc`` / ``sel_acc_80`` the ranking metrics
+    (metrics/ranking.py). ``predictions`` (N,) overrides the argmax as the answer for every
+    top-label metric (methods whose confidence belongs to a stated answer); ``cw_ece``,
+    ``ace``, ``brier`` and ``nll`` read ``probs``.
     """
     p, y = validate_inputs(probs, labels)
     conf, hit = _top_label(p, y, _validate_predictions(predictions, p))
@@ -323,6 +419,12 @@ def calibration_report(
         "avg_ce": top.mean_gap(),
         "brier": float(np.mean(_brier_rows(p, y))),
         "nll": _nll(p, y, _NLL_EPS),
+        "ece_em": _equal_mass_ece(conf, hit, n_bins),
+        "rmsce_debiased": float(np.sqrt(max(0.0, _debiased_squared_ce(conf, hit, n_bins)))),
+        "smece": _smooth_ece(conf, hit),
+        "auroc": auroc(conf, hit),
+        "aurc": aurc(conf, hit),
+        "sel_acc_80": selective_accuracy(conf, hit, SELECTIVE_COVERAGE),
         "mean_confidence": float(np.mean(conf)),
         "n": int(p.shape[0]),
     }

@@ -37,6 +37,14 @@ METRICS = (
     Metric("avg_ce", "AvgCE", run_table=False),  # netcal's average calibration error
     Metric("brier", "Brier"),
     Metric("nll", "NLL", report=False),
+    # beside conf-ECE: equal-mass ranges, Kumar et al.'s debiased l2 error, relplot's smooth ECE
+    Metric("ece_em", "EM-ECE", run_table=False, report=False),
+    Metric("rmsce_debiased", "dRMSCE", run_table=False, report=False),
+    Metric("smece", "smECE", run_table=False, report=False),
+    # ranking: confidence against correctness, untouched by a temperature (metrics/ranking.py)
+    Metric("auroc", "AUROC", "higher"),
+    Metric("aurc", "AURC", run_table=False),
+    Metric("sel_acc_80", "acc@80%", "higher", percent=True, run_table=False, report=False),
 )
 BY_KEY = {m.key: m for m in METRICS}
 PERCENT = tuple(m.key for m in METRICS if m.percent)

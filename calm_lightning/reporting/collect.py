@@ -39,6 +39,7 @@ class Run:
     error: str | None = None
     params: dict = field(default_factory=dict)
     retention: dict | None = None  # retention.json's rows (base, method): task -> metrics
+    heldout: dict | None = None  # metrics.json's `heldout` (the held-out split's metrics)
     failed: bool = False  # it wrote failed.json (else an error means: not finished)
     # What its method declares (method.traits; runs saved before traits: listed last, no panels)
     table_position: int = UNLISTED_POSITION
@@ -116,6 +117,7 @@ def _read(folder: Path) -> tuple[Run, str | None]:
         base=record.comparison.get("base"),
         error=record.error,
         retention=(record.retention or {}).get("rows"),
+        heldout=(record.summary or {}).get("heldout"),
         failed=record.failure is not None,
         table_position=int(flat.get("method.traits.table_position", UNLISTED_POSITION)),
         step_series=tuple(flat.get("method.traits.step_series", ())),

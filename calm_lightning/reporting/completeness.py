@@ -12,6 +12,7 @@ listed.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,9 @@ class SweepStatus:
     def complete(self) -> bool:
         return self.expected is not None and len(self.finished) == self.expected
 
-    def line(self) -> str:
+    def line(self, relative_to: Path | None = None) -> str:
+        """The sweep in one line; its folder relative to `relative_to` when given (a report
+        names the sweep from its own folder, never by the machine's path)."""
         total = "?" if self.expected is None else str(self.expected)
         parts = [f"{len(self.finished)} of {total} finished"]
         for label, items in (
@@ -47,7 +50,13 @@ class SweepStatus:
         ):
             if items:
                 parts.append(f"{len(items)} {label}")
-        return f"`{self.folder}`: " + ", ".join(parts)
+        folder = self.folder if relative_to is None else relative_path(self.folder, relative_to)
+        return f"`{folder}`: " + ", ".join(parts)
+
+
+def relative_path(path: str | Path, start: str | Path) -> str:
+    """`path` as seen from the folder `start` (both resolved first)."""
+    return os.path.relpath(Path(path).resolve(), Path(start).resolve())
 
 
 def expected_jobs(sweep_dir: Path) -> list[list[str]] | None:

@@ -20,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from calm_lightning.reporting.collect import Run
+from calm_lightning.reporting.completeness import relative_path
 from calm_lightning.reporting.selection import (
     Choice,
     calibration_key,
@@ -132,10 +133,15 @@ def picked_view(choices: list[Choice], ids: dict[Path, str], entity, project, na
 
 
 def sweep_views(
-    runs: list[Run], name: str, min_accuracy_ratio: float = 0.8, entity: str | None = None
+    runs: list[Run],
+    name: str,
+    min_accuracy_ratio: float = 0.8,
+    entity: str | None = None,
+    folder: Path | None = None,
 ) -> tuple[list, dict]:
-    """The views of a sweep's W&B runs and what they name (runs, picks); ([], {}) when no run
-    was logged with W&B."""
+    """The views of a sweep's W&B runs and what they name (runs, picks, each run's folder
+    relative to `folder`, where wandb_views.json goes); ([], {}) when no run was logged with
+    W&B."""
     ids = logged_runs(runs)
     logged = [r for r in runs if r.path in ids]
     if not logged:
@@ -161,7 +167,7 @@ def sweep_views(
         "runs": [
             {
                 "id": ids[r.path],
-                "path": str(r.path),
+                "path": relative_path(r.path, folder) if folder else r.path.name,
                 "model": r.model,
                 "setting": r.setting,
                 "method": r.method,
@@ -185,13 +191,13 @@ def write_dashboard(
 ) -> Path | None:
     """<folder>/wandb_views.json: the sweep's views and what they name; None without W&B runs."""
     folder = Path(folder)
-    views, names = sweep_views(runs, folder.resolve().name, min_accuracy_ratio, entity)
+    views, names = sweep_views(runs, folder.resolve().name, min_accuracy_ratio, entity, folder)
     if not views:
         return None
     payload = {
         **names,
         "created_with": "wandb-workspaces",
-        "publish": f"python -m calm_lightning.report {folder} --publish",
+        "publish": "python -m calm_lightning.report <the folder of this file> --publish",
         "views": [{"name": v.name, "view": view_spec(v)} for v in views],
     }
     path = folder / DASHBOARD_FILE
