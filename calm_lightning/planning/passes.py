@@ -41,14 +41,15 @@ def step_passes(job) -> tuple[float, float, float]:
     batch: T + 1 passes + 1 forward (the literal algorithm's T + 3 shares two of its passes).
     amortized: the pass at theta, m passes at the persistent theta~ and the entropy pass.
     Iterate: a plain LoRA pass, and every `lower_steps` steps an upper step's forward on a
-    held-out batch (its backward runs through the head only)."""
+    held-out batch (its backward runs through the head only). A single-level loss whose entropy
+    reads a held-out batch (`reg` with entropy_on: heldout) adds that batch's pass."""
     if job.traits.bilevel:
         if job.schedule == "amortized":
             return 1 + (job.surrogate_steps or 1), 1, 0
         return job.inner_steps or 1, 1, 1
     if job.traits.training == "alternating":
         return 1, 0, 1 / max(job.lower_steps, 1)
-    return 1, 0, 0
+    return 1, int(job.entropy_heldout), 0
 
 
 def _train(job, shape, device, share) -> tuple[float, float]:
@@ -74,6 +75,10 @@ def _evaluation(job, shape, device, share) -> float:
     passes = 2 if scores_base and getattr(job, "base_read_from", None) is None else 1
     rows = (job.eval_rows or 0) * passes + (job.heldout_rows or 0) * job.traits.heldout_forward
     total = cm.seconds(rows * job.eval_max_length * fwd, device, share)
+    if job.heldout_scored:  # evaluation/heldout_pass.py: the held-out split once, calibrated
+        width = job.eval_max_length if job.mcqa_heldout else job.max_length
+        held_fwd = cm.forward_flops(shape, width, cm.lora_parameters(shape, job.lora_r))
+        total += cm.seconds((job.heldout_rows or 0) * width * held_fwd, device, share)
     if job.traits.forward_first and job.train_steps:
         train_fwd = cm.forward_flops(shape, job.max_length)
         total += cm.seconds((job.train_rows or 0) * job.max_length * train_fwd, device, share)
