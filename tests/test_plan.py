@@ -334,12 +334,13 @@ def test_a_trainer_limit_or_the_methods_own_epoch_size_wins_over_the_budget():
 
 def test_the_base_model_is_charged_once_per_base_cache_entry_of_a_sweep():
     """evaluation.base_cache (the default) scores the untouched model once per sweep folder
-    and key (evaluation/base_cache.py): the grid's first job pays for it, the others read it."""
-    jobs = _grid_plan("calm_id")
+    and key (evaluation/base_cache.py): the grid's first job pays for it, the others read it.
+    (Without the held-out pass after calibration, which every job pays alike.)"""
+    jobs = _grid_plan("calm_id", "evaluation.heldout_metrics=false")
     assert [j.base_read_from for j in jobs] == [None, 0, 0, 0, 0, 0]
     first, later = jobs[0].estimate["eval_s"], jobs[1].estimate["eval_s"]
     assert first == pytest.approx(2 * later)  # base + method, against the method alone
-    off = _grid_plan("calm_id", "evaluation.base_cache=false")
+    off = _grid_plan("calm_id", "evaluation.base_cache=false", "evaluation.heldout_metrics=false")
     assert all(j.base_read_from is None for j in off)
     assert all(j.estimate["eval_s"] == pytest.approx(first) for j in off)
     # a head that differs is another entry (the fingerprint holds the head)
