@@ -554,6 +554,24 @@ def _predictions(run: Path) -> list[dict]:
     return [json.loads(r) for r in (run / "predictions.jsonl").read_text().splitlines()]
 
 
+def _assert_close(mine, theirs, where: str = "metrics") -> None:
+    """Two metrics.json trees alike: numbers within 1e-4, undefined ones (NaN, or None in
+    ci95: AUROC when all 8 tiny-model answers are right or all wrong) on both sides."""
+    if isinstance(theirs, dict):
+        assert isinstance(mine, dict) and mine.keys() == theirs.keys(), where
+        for key in theirs:
+            _assert_close(mine[key], theirs[key], f"{where}.{key}")
+    elif isinstance(theirs, list):
+        assert isinstance(mine, list) and len(mine) == len(theirs), where
+        for i, (x, y) in enumerate(zip(mine, theirs, strict=True)):
+            _assert_close(x, y, f"{where}[{i}]")
+    elif isinstance(theirs, (int, float)) or theirs is None:
+        x, y = (np.nan if v is None else v for v in (mine, theirs))
+        assert x == pytest.approx(y, abs=1e-4, nan_ok=True), where
+    else:
+        assert mine == theirs, where
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "method,extra",
@@ -590,9 +608,7 @@ def test_two_processes_train_what_one_process_trains_on_the_doubled_batch(tmp_pa
         np.testing.assert_allclose(ddp[key], one[key], atol=1e-4, err_msg=key)
     assert any(np.abs(v).max() > 1e-5 for k, v in one.items() if "lora_B" in k)  # it trained
     a, b = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "one")
-    for key, value in b["metrics"].items():
-        # nan_ok: AUROC is undefined (NaN) when all 8 tiny-model answers are right or all wrong
-        assert a["metrics"][key] == pytest.approx(value, abs=1e-4, nan_ok=True), key
+    _assert_close(a["metrics"], b["metrics"])
     # one predictions file, every question once, written by rank 0 only
     assert len(_predictions(tmp_path / "ddp")) == 8
     written = [

@@ -106,7 +106,7 @@ def test_a_reg_job_costs_its_steps_times_the_flops_of_one_pass():
 @pytest.mark.integration  # runs the sweep script (a bash subprocess) and composes 27 configs
 def test_table1_for_olmo2_on_an_a100_has_the_issues_orders_of_magnitude(olmo2_plan):
     jobs = olmo2_plan["jobs"]
-    assert len(jobs) == 27 and olmo2_plan["device"] == "a100_40g"
+    assert len(jobs) == 39 and olmo2_plan["device"] == "a100_40g"  # 27 + 12 control jobs
     for job in jobs:
         assert {"method", "overrides", "steps", "gpu_hours", "peak_gib"} <= set(job)
     reg = next(j for j in jobs if j["method"] == "reg")

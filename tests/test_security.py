@@ -271,14 +271,23 @@ def _foreign_group() -> int | None:
     return next((gid for gid in candidates if not _private_group(gid)), None)
 
 
-def test_a_group_or_world_writable_folder_is_refused_unless_allowed(compose, tmp_path, caplog):
+@pytest.fixture
+def group_sweep(tmp_path) -> Path:
+    """A folder of this user, writable by a group with other members (rwxrwxr-x)."""
     gid = _foreign_group()
     if gid is None:
         pytest.skip("no group other than this user's private one")
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     os.chown(sweep, -1, gid)
-    sweep.chmod(0o775)
+    sweep.chmod(stat.S_IRWXU | stat.S_IRWXG | stat.S_IROTH | stat.S_IXOTH)
+    return sweep
+
+
+def test_a_group_or_world_writable_folder_is_refused_unless_allowed(
+    compose, tmp_path, group_sweep, caplog
+):
+    sweep = group_sweep
     job = tmp_path / "job"  # the base cache of this job goes to the shared folder
     job.mkdir()
     cfg = compose([*JOB, f"evaluation.base_cache_dir={sweep}"], job)
@@ -295,14 +304,8 @@ def test_a_group_or_world_writable_folder_is_refused_unless_allowed(compose, tmp
 
 
 @pytest.mark.integration  # the command line, in a subprocess
-def test_a_sweep_into_a_group_writable_folder_is_refused(tmp_path):
-    gid = _foreign_group()
-    if gid is None:
-        pytest.skip("no group other than this user's private one")
-    sweep = tmp_path / "sweep"
-    sweep.mkdir()
-    os.chown(sweep, -1, gid)
-    sweep.chmod(stat.S_IRWXU | stat.S_IRWXG | stat.S_IROTH | stat.S_IXOTH)
+def test_a_sweep_into_a_group_writable_folder_is_refused(group_sweep):
+    sweep = group_sweep
     cmd = [sys.executable, "-m", "calm_lightning.run", "-m", *JOB, f"hydra.sweep.dir={sweep}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)

@@ -205,7 +205,7 @@ def test_under_slurm_each_grid_gets_the_limit_and_requeues_its_own_jobs_need(tmp
     assert done.returncode == 0, done.stderr[-3000:]
     reg = _run_calls(log)["reg"]
     assert reg["hydra.launcher.timeout_min"] == "2880"  # given once, by the user
-    assert log.read_text().count("hydra.launcher.timeout_min=") == 4
+    assert log.read_text().count("hydra.launcher.timeout_min=") == 6  # once per grid
     assert reg["hydra.launcher.max_num_timeout"] == "2"  # ceil(3,089 / 2,880)
     # without SLURM nothing is planned or added
     log.unlink()

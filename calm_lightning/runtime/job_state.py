@@ -87,15 +87,21 @@ def config_digest(cfg) -> str:
         tree["trainer"].get("devices"), list
     ):
         tree["trainer"]["devices"] = requested["devices"]
-    for dotted in IGNORED_KEYS:
+    drop_keys(tree, IGNORED_KEYS)
+    text = json.dumps(tree, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def drop_keys(tree: dict, dotted_keys) -> None:
+    """Remove each dotted key (`a.b.c`) from a plain config tree, in place; a missing one is
+    skipped."""
+    for dotted in dotted_keys:
         *parents, leaf = dotted.split(".")
         node = tree
         for key in parents:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict):
             node.pop(leaf, None)
-    text = json.dumps(tree, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def sweep_folder() -> Path | None:

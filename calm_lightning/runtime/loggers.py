@@ -56,14 +56,10 @@ PRIVATE_KEYS = (
 def public_config(cfg: DictConfig) -> dict:
     """The resolved config as it may leave the machine: without PRIVATE_KEYS, and each local
     path (absolute or `~/...`) replaced by its file or folder name."""
+    from calm_lightning.runtime.job_state import drop_keys
+
     tree = OmegaConf.to_container(cfg, resolve=True)
-    for dotted in PRIVATE_KEYS:
-        *parents, leaf = dotted.split(".")
-        node = tree
-        for key in parents:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
+    drop_keys(tree, PRIVATE_KEYS)
     return _names_for_paths(tree)
 
 
