@@ -36,19 +36,21 @@ def _tokenizer_rows(cfg) -> list[Check]:
     longest = max(
         int(cfg.setting.get("max_length") or 0), int(cfg.setting.get("eval_max_length") or 0)
     )
-    if context is None:
-        rows.append(Check("tokenizer.length", SKIP, "the model's context length is unknown here"))
-    elif longest > context:
-        rows.append(
-            Check(
-                "tokenizer.length",
-                FAIL,
-                f"setting max_length {longest} > the model's context {context}",
-            )
+    rows.append(
+        _at_most(
+            "tokenizer.length", longest, context, "the model's context length is unknown here",
+            f"setting max_length {longest} > the model's context {context}",
+            f"{longest} <= context {context}",
         )
-    else:
-        rows.append(Check("tokenizer.length", PASS, f"{longest} <= context {context}"))
+    )  # fmt: skip
     return rows
+
+
+def _at_most(name: str, value: int, bound: int | None, unknown: str, over: str, within: str):
+    """A bounded check: SKIP (`unknown`) without a bound, FAIL (`over`) above it, else PASS."""
+    if bound is None:
+        return Check(name, SKIP, unknown)
+    return Check(name, FAIL, over) if value > bound else Check(name, PASS, within)
 
 
 def tokenizer_checks(tokenizer, cfg) -> list[Check]:
@@ -194,18 +196,13 @@ def _model_rows(cfg) -> list[Check]:
     vocab = getattr(config, "vocab_size", None) or getattr(
         getattr(config, "text_config", None), "vocab_size", None
     )
-    if vocab is None:
-        rows.append(Check("model.vocabulary", SKIP, "config.json states no vocab_size"))
-    elif len(tokenizer) > vocab:
-        rows.append(
-            Check(
-                "model.vocabulary",
-                FAIL,
-                f"tokenizer has {len(tokenizer)} tokens, the head {vocab} rows",
-            )
+    rows.append(
+        _at_most(
+            "model.vocabulary", len(tokenizer), vocab, "config.json states no vocab_size",
+            f"tokenizer has {len(tokenizer)} tokens, the head {vocab} rows",
+            f"{len(tokenizer)} tokens <= {vocab} rows",
         )
-    else:
-        rows.append(Check("model.vocabulary", PASS, f"{len(tokenizer)} tokens <= {vocab} rows"))
+    )  # fmt: skip
     peft = OmegaConf.to_container(cfg.peft, resolve=True) if cfg.get("peft") else {}
     if peft and peft.get("method", "lora") not in (None, "none"):
         with torch.device("meta"):
