@@ -140,6 +140,13 @@ CAVEAT = (
     "failing interval's largest |b - a|, so a verdict carried by a negligible difference can "
     "be told from a real one; the verdict itself follows the rule as stated."
 )
+# Another logit scale (the issue's optional k = 2): recorded in the results file, with the time,
+# the first time a run of the study names that k, so it is on record before the cell's runs.
+OTHER_K = (
+    "The four hypotheses' tests, applied unchanged to this cell (its own lower-LR selection on "
+    "the held-out split, its own base and TS-OOD rows, adapter cosine from its calm_frozen and "
+    "reg_lambda runs). A secondary cell: the stated hypotheses are about k = 1."
+)
 PROTOCOL = (
     f"setting={SETTING} (OOD), model.logit_scale=k, {STEPS} outer steps of batch 4, one epoch, "
     f"warmup-cosine with warmup {WARMUP} for every arm, setting.max_length 192, seeds "
@@ -408,6 +415,20 @@ def update_adapter_pairs(doc: dict, k: float, seed: int) -> None:
             doc["adapter_cosine"][str(seed)] = measured["cosine"]
 
 
+def _adapter_cosine(doc: dict, k: float, seed: int) -> float | None:
+    """H1's adapter cosine of a seed at cell k (k = 1 keeps its own map, as the issue asks)."""
+    if k == 1.0:
+        return doc["adapter_cosine"].get(str(seed))
+    return next(
+        (
+            p["cosine"]
+            for p in doc["adapter_pairs"]
+            if (p["k"], p["seed"], p["a"], p["b"]) == (k, seed, *ADAPTER_PAIRS[0])
+        ),
+        None,
+    )
+
+
 # ----- the results file -----
 
 
@@ -425,7 +446,22 @@ def new_document() -> dict:
         "adapter_cosine": {},
         "adapter_pairs": [],
         "outcomes": {},
+        "other_k": {},  # {"2": {"stated", "rule", "outcomes"}}
     }
+
+
+def state_other_k(doc: dict, ks) -> None:
+    """Put the rule for each k other than 1 on record (once, with the time) before its runs."""
+    for k in ks:
+        if k != 1.0 and f"{k:g}" not in doc["other_k"]:
+            stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes")
+            doc["other_k"][f"{k:g}"] = {"stated": stamp, "rule": OTHER_K, "outcomes": {}}
+
+
+def all_outcomes(doc: dict) -> None:
+    doc["outcomes"] = outcomes(doc)
+    for key, cell in doc["other_k"].items():
+        cell["outcomes"] = outcomes(doc, float(key))
 
 
 def load(path: Path) -> dict:
@@ -494,14 +530,14 @@ def _comparison(doc: dict, a: str, b: str, metric: str, seed: int, k: float = 1.
     return next((c for c in doc["comparisons"] if _key(c) == (k, seed, a, b, metric)), None)
 
 
-def _agreement(doc: dict, pairs, seeds=SEEDS) -> tuple[str | None, str]:
+def _agreement(doc: dict, pairs, k: float = 1.0, seeds=SEEDS) -> tuple[str | None, str]:
     """'held' / 'falsified' when every (pair, metric) interval contains 0 in >= 2 of 3 seeds
     or not; None with the reason while intervals are missing. A failing interval is reported
     with its largest |b - a|, so a negligible but consistent difference shows as such."""
     absent_seeds, failing = set(), []
     for a, b in pairs:
         for metric in METRICS:
-            found = [_comparison(doc, a, b, metric, seed) for seed in seeds]
+            found = [_comparison(doc, a, b, metric, seed, k) for seed in seeds]
             absent = [seed for seed, c in zip(seeds, found, strict=True) if c is None]
             present = [c for c in found if c is not None]
             zero = sum(c["ci95"][0] <= 0 <= c["ci95"][1] for c in present)
@@ -521,17 +557,18 @@ def _agreement(doc: dict, pairs, seeds=SEEDS) -> tuple[str | None, str]:
     return "held", "every interval contains 0 in >= 2 of 3 seeds"
 
 
-def outcomes(doc: dict) -> dict:
-    """H1-H4 from whatever rows and comparisons exist (k = 1)."""
-    rows = [r for r in doc["rows"] if r["k"] == 1.0]
+def outcomes(doc: dict, k: float = 1.0) -> dict:
+    """H1-H4 from whatever rows and comparisons exist at cell k (stated for k = 1; another k
+    gets the same tests, stated before its runs: OTHER_K)."""
+    rows = [r for r in doc["rows"] if r["k"] == k]
     out = {}
 
     def verdict(value, why):
         return {"verdict": value or "inconclusive", "why": why}
 
     # H1
-    value, why = _agreement(doc, PAIRS[:3])
-    cosines = [doc["adapter_cosine"].get(str(s)) for s in SEEDS]
+    value, why = _agreement(doc, PAIRS[:3], k)
+    cosines = [_adapter_cosine(doc, k, s) for s in SEEDS]
     if value != "falsified":
         if None in cosines:
             value, why = (
@@ -546,7 +583,7 @@ def outcomes(doc: dict) -> dict:
             why += f"; adapter cosine >= {COSINE_LIMIT} in every seed (min {min(cosines):.3f})"
     out["H1"] = verdict(value, why)
     # H2
-    value, why = _agreement(doc, PAIRS[3:4])
+    value, why = _agreement(doc, PAIRS[3:4], k)
     travel = [r.get("head_travel") for r in rows if r["arm"] in ("calm_vector", "calm_scalar")]
     seeds_seen = {(r["arm"], r["seed"]) for r in rows if r["arm"] in ("calm_vector", "calm_scalar")}
     if value != "falsified":
@@ -558,11 +595,11 @@ def outcomes(doc: dict) -> dict:
             why += f"; head travel <= {TRAVEL_LIMIT:g} (max {max(travel):.2e})"
     out["H2"] = verdict(value, why)
     # H3
-    base = _row(rows, "base", 1.0, 0)
+    base = _row(rows, "base", k, 0)
     wins, missing = 0, []
     for seed in SEEDS:
-        found = _comparison(doc, "ts", "calm_vector", "conf_ece", seed)
-        calm = _row(rows, "calm_vector", 1.0, seed)
+        found = _comparison(doc, "ts", "calm_vector", "conf_ece", seed, k)
+        calm = _row(rows, "calm_vector", k, seed)
         if found is None or calm is None or base is None:
             missing.append(seed)
             continue
@@ -582,7 +619,7 @@ def outcomes(doc: dict) -> dict:
     else:
         out["H3"] = verdict(None, f"{wins} win(s) so far; no comparison yet for seeds {missing}")
     # H4
-    value, why = _agreement(doc, PAIRS[5:6])
+    value, why = _agreement(doc, PAIRS[5:6], k)
     out["H4"] = verdict(value, why)
     return out
 
@@ -619,6 +656,16 @@ def markdown(doc: dict) -> str:
     lines += ["", f"**Protocol.** {doc['protocol']}", "", "## Outcomes", ""]
     for name, o in doc["outcomes"].items():
         lines.append(f"* **{name}: {o['verdict']}**: {o['why']}")
+    for key, cell in doc["other_k"].items():
+        lines += [
+            "",
+            f"## Outcomes at k = {key} (rule stated {cell['stated']})",
+            "",
+            cell["rule"],
+            "",
+        ]
+        for name, o in cell["outcomes"].items():
+            lines.append(f"* **{name}: {o['verdict']}**: {o['why']}")
     if doc["selection"]:
         lines += [
             "",
@@ -688,46 +735,51 @@ def markdown(doc: dict) -> str:
 
 
 def figure(doc: dict, path: Path) -> None:
-    """conf-ECE per arm (every seed, k = 1, with TS-OOD and base) and lambda_t of the CALM
-    arms."""
+    """conf-ECE per arm (every seed, with TS-OOD and base), one panel per k, and lambda_t of
+    the CALM arms (k = 1 solid, another k dashed)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 3.8))
+    ks = sorted({r["k"] for r in doc["rows"]}) or [1.0]
+    fig = Figure(figsize=(5 * (len(ks) + 1), 3.8))
     FigureCanvasAgg(fig)
-    ax, ax_l = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    rows = [r for r in doc["rows"] if r["k"] == 1.0]
-    for ref, style in (("base", ":"), ("ts", "--")):
-        r = _row(rows, ref, 1.0, 0)
-        if r:
-            ax.axhline(r["conf_ece"], linestyle=style, color="grey", label=f"{ref} (test)")
-    for i, arm in enumerate(ARMS):
-        values = [r["conf_ece"] for r in rows if r["arm"] == arm]
-        ax.plot([i] * len(values), values, "o", color=f"C{i}")
-        if values:
-            ax.plot([i - 0.25, i + 0.25], [statistics.fmean(values)] * 2, color=f"C{i}")
-    ax.set_xticks(range(len(ARMS)))
-    ax.set_xticklabels(ARMS, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("test conf-ECE (k = 1)", fontsize=8)
-    ax.set_title("every seed, mean as a bar", fontsize=9)
-    for i, arm in enumerate(CALM_ARMS):
-        for r in rows:
-            if r["arm"] == arm and r.get("lambda_t"):
-                ax_l.plot(
-                    range(1, len(r["lambda_t"]) + 1),
-                    r["lambda_t"],
-                    color=f"C{i}",
-                    alpha=0.8,
-                    label=arm if r["seed"] == min(SEEDS) else None,
-                )
+    axes = [fig.add_subplot(1, len(ks) + 1, i + 1) for i in range(len(ks) + 1)]
+    for ax, k in zip(axes, ks, strict=False):
+        rows = [r for r in doc["rows"] if r["k"] == k]
+        for ref, style in (("base", ":"), ("ts", "--")):
+            r = _row(rows, ref, k, 0)
+            if r:
+                ax.axhline(r["conf_ece"], linestyle=style, color="grey", label=f"{ref} (test)")
+        for i, arm in enumerate(ARMS):
+            values = [r["conf_ece"] for r in rows if r["arm"] == arm]
+            ax.plot([i] * len(values), values, "o", color=f"C{i}")
+            if values:
+                ax.plot([i - 0.25, i + 0.25], [statistics.fmean(values)] * 2, color=f"C{i}")
+        ax.set_xticks(range(len(ARMS)))
+        ax.set_xticklabels(ARMS, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(f"test conf-ECE (k = {k:g})", fontsize=8)
+        ax.set_title(f"k = {k:g}: every seed, mean as a bar", fontsize=9)
+        if not rows:
+            ax.text(0.5, 0.5, "no runs yet", transform=ax.transAxes, ha="center")
+    ax_l = axes[-1]
+    for k in ks:
+        for i, arm in enumerate(CALM_ARMS):
+            for r in doc["rows"]:
+                if (r["arm"], r["k"]) == (arm, k) and r.get("lambda_t"):
+                    ax_l.plot(
+                        range(1, len(r["lambda_t"]) + 1),
+                        r["lambda_t"],
+                        color=f"C{i}",
+                        linestyle="-" if k == 1.0 else "--",
+                        alpha=0.8,
+                        label=f"{arm} (k = {k:g})" if r["seed"] == min(SEEDS) else None,
+                    )
     ax_l.set_xlabel("outer step", fontsize=8)
     ax_l.set_ylabel("λ_t", fontsize=8)
-    ax_l.set_title("λ over the run (k = 1; reg_lambda uses 1 / its mean)", fontsize=9)
-    for axis in (ax, ax_l):
+    ax_l.set_title("λ over the run (reg_lambda uses 1 / its mean)", fontsize=9)
+    for axis in axes:
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=7)
-    if not rows:
-        ax.text(0.5, 0.5, "no runs yet", transform=ax.transAxes, ha="center")
     fig.suptitle("setting=demo (OOD): paper-form CALM against reg and sft", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -738,12 +790,15 @@ def render(results: Path) -> dict:
     compute_comparisons(doc)
     for k, seed in sorted({(r["k"], r["seed"]) for r in doc["rows"]}):
         update_adapter_pairs(doc, k, seed)
-    doc["outcomes"] = outcomes(doc)
+    all_outcomes(doc)
     study_runs.save(results, doc)
     results.with_suffix(".md").write_text(markdown(doc))
     figure(doc, results.with_suffix(".png"))
     for name, o in doc["outcomes"].items():
         print(f"{name}: {o['verdict']} ({o['why']})")
+    for key, cell in doc["other_k"].items():
+        for name, o in cell["outcomes"].items():
+            print(f"k={key} {name}: {o['verdict']} ({o['why']})")
     print(f"wrote {results}, {results.with_suffix('.md')} and {results.with_suffix('.png')}")
     return doc
 
@@ -778,7 +833,8 @@ def main() -> None:
         render(results)
         return
     study = Study(results, outputs, SMOKE_STEPS if args.smoke else STEPS, args.dry_run)
-    study.doc["outcomes"] = outcomes(study.doc)
+    state_other_k(study.doc, args.k)
+    all_outcomes(study.doc)
     study.save()  # the hypotheses are on record before the first run
     if args.hypotheses_only:
         results.with_suffix(".md").write_text(markdown(study.doc))

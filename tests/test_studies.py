@@ -262,3 +262,38 @@ def test_entropy_equivalence_outcomes_follow_the_stated_rules(tmp_path):
     assert "calm_vector vs calm_scalar nll: 0 inside in 1 of 3 seeds" in out["H2"]["why"]
     assert out["H3"]["verdict"] == "held"  # seeds 1 and 2, accuracy 0.48 >= 0.8 x 0.5
     assert out["H4"]["verdict"] == "inconclusive" and "[2]" in out["H4"]["why"]
+
+
+@pytest.mark.system  # a study's render (make test-system)
+def test_entropy_equivalence_other_k_is_stated_before_its_runs_and_judged_alone(tmp_path):
+    """k = 2 gets the same rules, on record before its runs, judged on its own rows only."""
+    results = tmp_path / "ee.json"
+    _run("entropy_equivalence", "--hypotheses-only", "--k", "2", "--results", str(results))
+    stated = json.loads(results.read_text())
+    cell = stated["other_k"]["2"]
+    assert "unchanged" in cell["rule"] and cell["stated"] and not stated["rows"]
+    # k = 1 agrees everywhere; k = 2 (the same intervals) has adapter cosine 0.5 in seed 1
+    comparisons, pairs = [], []
+    for k in (1.0, 2.0):
+        for seed in (0, 1, 2):
+            for a, b in (("calm_frozen", "reg_lambda"), ("calm_vector", "reg_lambda"),
+                         ("calm_frozen", "calm_vector")):  # fmt: skip
+                for metric in ("conf_ece", "nll", "accuracy"):
+                    comparisons.append({"k": k, "seed": seed, "a": a, "b": b, "metric": metric,
+                                        "value_a": 0.2, "value_b": 0.2, "difference": 0.0,
+                                        "standard_error": 0.01, "ci95": [-0.01, 0.01]})  # fmt: skip
+            pairs.append({"k": k, "seed": seed, "a": "calm_frozen", "b": "reg_lambda",
+                          "cosine": 0.5 if (k, seed) == (2.0, 1) else 0.95,
+                          "relative_difference": 0.3})  # fmt: skip
+    stated.update(comparisons=comparisons, adapter_pairs=pairs,
+                  adapter_cosine={"0": 0.95, "1": 0.95, "2": 0.95},
+                  rows=[{"arm": "calm_frozen", "k": k, "seed": 0, "accuracy": 0.5, "nll": 1.5,
+                         "conf_ece": 0.2, "run_dir": "missing"} for k in (1.0, 2.0)])  # fmt: skip
+    results.write_text(json.dumps(stated))
+    _run("entropy_equivalence", "--render-only", "--results", str(results))
+    out = json.loads(results.read_text())
+    assert out["outcomes"]["H1"]["verdict"] == "held"
+    assert out["other_k"]["2"]["stated"] == cell["stated"]  # kept as first recorded
+    k2 = out["other_k"]["2"]["outcomes"]
+    assert k2["H1"]["verdict"] == "falsified" and "0.500" in k2["H1"]["why"]
+    assert "## Outcomes at k = 2" in results.with_suffix(".md").read_text()
