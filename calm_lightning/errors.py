@@ -43,3 +43,10 @@ class MissingDependencyError(CalmLightningError):
 
 class ExportError(CalmLightningError):
     """A run cannot be exported as asked (no such run, nothing to export, output exists)."""
+
+
+def first_line(err: BaseException, limit: int | None = None) -> str:
+    """An exception's first line (its class name when it has no text), cut at `limit` chars:
+    what a one-line refusal or report quotes of the error behind it."""
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:limit]

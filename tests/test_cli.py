@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from calm_lightning.arguments import key_value_arguments, parse_bool, parse_list
 from calm_lightning.cli import COMMANDS, build_parser, main
-from calm_lightning.errors import ConfigError
+from calm_lightning.errors import ConfigError, first_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = ("run", "report", "plan", "preflight", "export", "retention", "check")
@@ -165,3 +165,9 @@ def test_run_starts_its_ddp_processes_through_the_one_command_line(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert "MEMBER: 2/2" in done.stdout + done.stderr  # the second process joined
     assert json.loads((out / "metrics.json").read_text())["metrics"]["n"] == 4
+
+
+def test_a_one_line_message_quotes_an_errors_first_line_or_its_class():
+    assert first_line(ValueError("  bad value\n  at line 3\n")) == "bad value"
+    assert first_line(KeyError()) == "KeyError"  # no text: an empty quote would say nothing
+    assert first_line(OSError("x" * 300), 200) == "x" * 200

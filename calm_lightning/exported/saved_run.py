@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from calm_lightning.errors import ConfigError, ExportError
+from calm_lightning.errors import ConfigError, ExportError, first_line
 from calm_lightning.models.calibrated_lm import ADAPTER_DIR, read_calibration_record
 from calm_lightning.models.logit_adjustment import HEAD_FILE
 from calm_lightning.runtime.run_record import (
@@ -93,8 +93,9 @@ def inspect_run(run_dir: str | Path, exporting: bool = True) -> RunToExport:
     except RunRecordError as err:
         raise ExportError(str(err)) from None
     except Exception as err:  # noqa: BLE001 (a record that does not parse: named, no traceback)
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ExportError(f"run_dir={run_dir}: a record does not parse ({first})") from None
+        raise ExportError(
+            f"run_dir={run_dir}: a record does not parse ({first_line(err)})"
+        ) from None
     check_received_config(saved.path, saved.config)
     run_dir, cfg = saved.path, saved.config
     method = str(OmegaConf.select(cfg, "method.name", default="?"))

@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 from omegaconf import OmegaConf
 
-from calm_lightning.errors import CalmLightningError, DataSizeError
+from calm_lightning.errors import CalmLightningError, DataSizeError, first_line
 from calm_lightning.planning.model_checks import check_model, check_quantization, check_tokenizer
 from calm_lightning.planning.preflight_checks import (
     CHECKS,
@@ -39,7 +39,6 @@ from calm_lightning.planning.preflight_checks import (
     Check,
     JobReport,
     Memo,
-    first_line,
     guarded,
     node_key,
 )

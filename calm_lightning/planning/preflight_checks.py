@@ -14,6 +14,7 @@ from calm_lightning.errors import (
     CalmLightningError,
     DataUnavailableError,
     ModelUnavailableError,
+    first_line,
 )
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
@@ -88,11 +89,6 @@ def guarded(name: str, run: Callable[[], list[Check]]) -> list[Check]:
         return [Check(name, FAIL, first_line(err))]
     except Exception as err:  # noqa: BLE001 (a check must report, never stop the others)
         return [Check(name, FAIL, f"{type(err).__name__}: {first_line(err)}")]
-
-
-def first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 # ----- the checks -----

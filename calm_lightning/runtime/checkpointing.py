@@ -34,7 +34,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from calm_lightning.errors import ConfigError
+from calm_lightning.errors import ConfigError, first_line
 from calm_lightning.runtime.distributed import is_main_process
 from calm_lightning.runtime.job_state import JobFolder
 from calm_lightning.runtime.run_record import CHECKPOINT_DIR, atomic_replace
@@ -90,9 +90,9 @@ def _read_stamp(path: Path) -> tuple[str | None, int]:
                 f"holds objects other than tensors and plain values{what}, which only unpickling "
                 "could read, and unpickling runs code: it was not unpickled"
             ) from None
-        raise CheckpointRefused(f"does not load as a checkpoint ({_first_line(err)})") from None
+        raise CheckpointRefused(f"does not load as a checkpoint ({first_line(err, 200)})") from None
     except Exception as err:  # noqa: BLE001 (cut short, not a checkpoint, unreadable)
-        raise CheckpointRefused(f"does not load as a checkpoint ({_first_line(err)})") from None
+        raise CheckpointRefused(f"does not load as a checkpoint ({first_line(err, 200)})") from None
     if not isinstance(state, dict):
         raise CheckpointRefused("is not a checkpoint (no dict of training state)")
     stamp, step = state.get(STAMP_KEY), state.get("global_step", 0)
@@ -100,10 +100,6 @@ def _read_stamp(path: Path) -> tuple[str | None, int]:
     if not isinstance(step, int):
         raise CheckpointRefused(f"is not a checkpoint (global_step {step!r} is no number)")
     return (None if digest is None else str(digest)), step
-
-
-def _first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 def _candidates(folder: Path) -> list[Path]:

@@ -4,7 +4,7 @@ planner asks before a sweep runs (planning/sweep.py), the report after it ran
 
 from __future__ import annotations
 
-from calm_lightning.errors import ConfigError
+from calm_lightning.errors import ConfigError, first_line
 
 
 def parse_overrides(overrides: list[str]) -> list:
@@ -15,8 +15,9 @@ def parse_overrides(overrides: list[str]) -> list:
     try:
         return OverridesParser.create().parse_overrides(overrides)
     except HydraException as err:
-        first = str(err).splitlines()[0]
-        raise ConfigError(f"{' '.join(overrides)}: not an override Hydra reads ({first})") from err
+        raise ConfigError(
+            f"{' '.join(overrides)}: not an override Hydra reads ({first_line(err)})"
+        ) from err
 
 
 def basic_sweeper_jobs(params: dict, task: list[str]) -> list[list[str]]:
